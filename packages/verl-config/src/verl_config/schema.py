@@ -1,0 +1,165 @@
+"""Typed schema of the engine sections used by the Megatron SFT slice.
+
+Key names follow verl's trainer config (``megatron.tensor_model_parallel_size``,
+``megatron.override_ddp_config``, ``optim.lr``, ``data.train_batch_size`` ...) so that users keep
+their command lines. Every dataclass validates itself in ``__post_init__`` and raises
+ConfigValueError naming the key, like megatron-core's TransformerConfig does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_config.errors import ConfigValueError
+from verl_config.validation import check_choice, check_positive
+
+__all__ = [
+    "DTYPES",
+    "MODEL_PRESETS",
+    "DataConfig",
+    "MegatronEngineConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SFTConfig",
+    "TrainerConfig",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODEL_PRESETS = ("tiny", "small", "base", "1b")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build.
+
+    ``preset`` names a locally built Qwen2-architecture config (no download); ``path`` would point at
+    a Hugging Face checkpoint directory instead. ``override_config`` is merged into the Hugging Face
+    config before the megatron-core model is made (e.g. ``num_hidden_layers``).
+    """
+
+    preset: str = "small"
+    path: str | None = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            check_choice("preset", self.preset, MODEL_PRESETS)
+
+
+@dataclass
+class MegatronEngineConfig:
+    """The Megatron engine section (subset needed by the training slice; defaults as in verl)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = True
+    use_distributed_optimizer: bool = True
+    override_ddp_config: dict[str, Any] = field(default_factory=dict)
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 42
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            check_positive(key, getattr(self, key))
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.pipeline_model_parallel_size > 1:
+            raise ConfigValueError(
+                "pipeline_model_parallel_size",
+                f"pipeline parallelism ({self.pipeline_model_parallel_size}) is not supported by this engine yet; set it to 1",
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Same rule as verl: sequence parallel only means something with TP > 1.
+            self.sequence_parallel = False
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (Adam with decoupled weight decay) and learning-rate schedule."""
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 10
+    lr_decay_style: str = "cosine"
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        check_positive("min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigValueError("min_lr", f"must not exceed lr ({self.lr}); got {self.min_lr}")
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigValueError("betas", f"must be two numbers in [0, 1); got {list(self.betas)}")
+        check_positive("eps", self.eps)
+        check_positive("clip_grad", self.clip_grad, allow_zero=True)
+        check_positive("lr_warmup_steps", self.lr_warmup_steps, allow_zero=True)
+        check_choice("lr_decay_style", self.lr_decay_style, ("constant", "cosine", "linear"))
+
+
+@dataclass
+class DataConfig:
+    """Batch shape. ``train_batch_size`` is global (sequences per optimizer step, all DP ranks)."""
+
+    train_batch_size: int = 32
+    micro_batch_size_per_gpu: int = 8
+    max_length: int = 128
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for key in ("train_batch_size", "micro_batch_size_per_gpu", "max_length"):
+            check_positive(key, getattr(self, key))
+        if self.max_length < 16:
+            raise ConfigValueError("max_length", f"must be >= 16 to hold one problem; got {self.max_length}")
+
+
+@dataclass
+class TrainerConfig:
+    """Run control."""
+
+    total_training_steps: int = 60
+    device: str = "auto"
+    default_local_dir: str = "outputs/verl-engine"
+    log_every: int = 1
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("total_training_steps", self.total_training_steps)
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_positive("log_every", self.log_every)
+
+
+@dataclass
+class SFTConfig:
+    """Entry config of ``verl-engine train``: an SFT run on the Megatron engine."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    megatron: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def check_world_size(self, world_size: int) -> int:
+        """Validate the batch and parallel layout for ``world_size`` processes; return the DP size."""
+        from verl_config.validation import check_parallel_layout
+
+        m = self.megatron
+        dp = check_parallel_layout(
+            world_size=world_size,
+            tensor_model_parallel_size=m.tensor_model_parallel_size,
+            pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+            context_parallel_size=m.context_parallel_size,
+        )
+        per_step = self.data.micro_batch_size_per_gpu * dp
+        if self.data.train_batch_size % per_step != 0:
+            raise ConfigValueError(
+                "data.train_batch_size",
+                f"{self.data.train_batch_size} is not divisible by data.micro_batch_size_per_gpu"
+                f" ({self.data.micro_batch_size_per_gpu}) x data-parallel size ({dp}) = {per_step}",
+            )
+        return dp

@@ -1,0 +1,53 @@
+"""Small reusable checks used by the schema's ``__post_init__`` methods and by launchers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from verl_config.errors import ConfigValueError
+
+__all__ = ["check_choice", "check_parallel_layout", "check_positive"]
+
+
+def check_positive(key: str, value: int | float, *, allow_zero: bool = False) -> None:
+    """Raise ConfigValueError unless ``value`` is > 0 (or >= 0 with ``allow_zero``)."""
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigValueError(key, f"must be {bound}, got {value!r}")
+
+
+def check_choice(key: str, value: object, choices: Iterable[object]) -> None:
+    """Raise ConfigValueError unless ``value`` is one of ``choices``."""
+    allowed = tuple(choices)
+    if value not in allowed:
+        raise ConfigValueError(key, f"must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def check_parallel_layout(
+    *,
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+) -> int:
+    """Check that the model-parallel sizes tile the world and return the data-parallel size.
+
+    Raised before any process group is made, so an impossible layout fails with the numbers in
+    the message instead of an assertion deep inside megatron-core (or a hang).
+    """
+    for key, value in (
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+    ):
+        check_positive(key, value)
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_parallel != 0:
+        raise ConfigValueError(
+            "world_size",
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tensor_model_parallel_size})"
+            f" x pipeline_model_parallel_size ({pipeline_model_parallel_size}) x context_parallel_size"
+            f" ({context_parallel_size}) = {model_parallel}; choose sizes whose product divides {world_size}"
+            f" or launch a multiple of {model_parallel} processes",
+        )
+    return world_size // model_parallel

@@ -1,0 +1,67 @@
+"""Build a megatron-core GPTModel from a Hugging Face config with the local (non-TE) layer spec."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_mcore_utils.compat import import_megatron_core
+
+import_megatron_core()
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from verl_mcore_utils.attention import SDPACoreAttention  # noqa: E402
+from verl_mcore_utils.rope import make_rope_portable  # noqa: E402
+from verl_mcore_utils.transformer_config import hf_get  # noqa: E402
+
+__all__ = ["build_gpt_model", "local_layer_spec"]
+
+
+def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDPACoreAttention) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with ``core_attention`` swapped in (no Transformer Engine)."""
+    if tf_config.sequence_parallel:
+        raise ValueError(
+            "sequence_parallel=True needs Transformer Engine's layer norm (megatron-core's torch norm asserts it off);"
+            " set megatron.sequence_parallel=false or install Transformer Engine"
+        )
+    spec = get_gpt_layer_local_spec(
+        normalization=tf_config.normalization,
+        qk_layernorm=tf_config.qk_layernorm,
+    )
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def build_gpt_model(
+    *,
+    hf_config: Mapping[str, Any] | Any,
+    tf_config: TransformerConfig,
+    device: torch.device | str,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_spec: ModuleSpec | None = None,
+    vocab_size: int | None = None,
+) -> GPTModel:
+    """Build a GPTModel (one pipeline stage) for ``hf_config`` and move it to ``device``.
+
+    Model-parallel state must be initialised first (see verl_mcore_utils.parallel). Weights stay
+    in ``tf_config.params_dtype``; wrapping (Float16Module / DDP) is the caller's choice.
+    """
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=layer_spec if layer_spec is not None else local_layer_spec(tf_config),
+        vocab_size=vocab_size if vocab_size is not None else hf_get(hf_config, "vocab_size"),
+        max_sequence_length=hf_get(hf_config, "max_position_embeddings", 4096),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=float(hf_get(hf_config, "rope_theta", 10000.0)),
+    )
+    make_rope_portable(model, device)
+    return model.to(device)

@@ -1,0 +1,88 @@
+"""Process groups: torch.distributed from the launcher's environment, then megatron-core's groups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl_config.validation import check_parallel_layout
+from verl_mcore_utils.compat import import_megatron_core
+
+import_megatron_core()
+from megatron.core import parallel_state  # noqa: E402
+
+__all__ = ["ParallelDims", "destroy_parallel", "init_parallel"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of every parallel dimension; ``dp`` is derived and checked (like torchtitan's ParallelDims)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        check_parallel_layout(
+            world_size=self.world_size,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            context_parallel_size=self.cp,
+        )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+
+def init_parallel(
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    device: str = "cuda",
+    timeout_s: int = 600,
+) -> ParallelDims:
+    """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) and megatron-core's parallel state.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as torchrun sets them; without
+    them, runs as a single process. The layout is checked before any group is created.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims(
+        world_size=world_size,
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+    )
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29512")
+        os.environ.setdefault("RANK", "0")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            world_size=world_size,
+            rank=int(os.environ["RANK"]),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+    )
+    return dims
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron-core's groups and the default process group (safe to call twice)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,130 @@
+"""Run a function on N local processes with a real process group (gloo on CPU, NCCL on GPUs).
+
+For tests of distributed code on a CPU-only machine: ``run_distributed(fn, world_size=2)`` starts
+two spawned processes, initialises torch.distributed in each, calls ``fn(rank, world_size, *args)``
+and returns the per-rank results. An exception on any rank is re-raised in the caller with that
+rank's traceback; a rank that does not finish within ``timeout_s`` makes the whole run fail (the
+other processes are killed) instead of hanging the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedRunError", "free_port", "run_distributed"]
+
+
+class DistributedRunError(RuntimeError):
+    """One or more ranks failed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    queue: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Results are pickled back.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, tuple(args), queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedRunError(
+                    f"timed out after {timeout_s:.0f}s: ranks {sorted(set(range(world_size)) - set(results))} did not finish"
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    raise DistributedRunError(f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}") from None
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break  # other ranks may now block in a collective: stop them
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise DistributedRunError("distributed run failed:\n" + "\n".join(failures))
+    return [results[r] for r in range(world_size)]

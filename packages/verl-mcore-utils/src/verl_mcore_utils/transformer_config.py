@@ -1,0 +1,96 @@
+"""Hugging Face config -> megatron-core TransformerConfig for dense Qwen2 / Qwen3 / Llama models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from verl_mcore_utils.compat import import_megatron_core
+
+import_megatron_core()
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "hf_get", "hf_to_transformer_config"]
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_get(hf_config: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a config.json-style mapping or a transformers PretrainedConfig."""
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+def hf_to_transformer_config(
+    hf_config: Mapping[str, Any] | Any,
+    *,
+    dtype: str = "bfloat16",
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    use_cpu_initialization: bool = True,
+    overrides: Mapping[str, Any] | None = None,
+) -> TransformerConfig:
+    """Build the TransformerConfig of a dense decoder described by a Hugging Face config.
+
+    All fused kernels that need Transformer Engine or apex are switched off, so the result runs with
+    megatron-core's local layer spec on CPU and CUDA. ``overrides`` are TransformerConfig fields set
+    last (verl's override_transformer_config); an unknown field is an error listing the valid ones.
+    """
+    model_type = hf_get(hf_config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    act = hf_get(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; dense Qwen2/Qwen3/Llama use 'silu' (SwiGLU)")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    hidden = hf_get(hf_config, "hidden_size")
+    heads = hf_get(hf_config, "num_attention_heads")
+    head_dim = hf_get(hf_config, "head_dim") or hidden // heads
+    attention_bias = bool(hf_get(hf_config, "attention_bias", False))
+    kwargs: dict[str, Any] = {
+        "num_layers": hf_get(hf_config, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": hf_get(hf_config, "intermediate_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": hf_get(hf_config, "num_key_value_heads", heads),
+        "kv_channels": head_dim,
+        "layernorm_epsilon": hf_get(hf_config, "rms_norm_eps", 1e-6),
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": model_type == "qwen2" or attention_bias,
+        "qk_layernorm": model_type == "qwen3",
+        "attention_dropout": float(hf_get(hf_config, "attention_dropout", 0.0) or 0.0),
+        "hidden_dropout": 0.0,
+        "init_method_std": hf_get(hf_config, "initializer_range", 0.02),
+        # Fusions that need TE / apex / custom CUDA kernels: off, so CPU and plain CUDA both work.
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "params_dtype": _DTYPES[dtype],
+        "bf16": dtype == "bfloat16",
+        "fp16": dtype == "float16",
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "sequence_parallel": sequence_parallel,
+        "use_cpu_initialization": use_cpu_initialization,
+    }
+    for key, value in (overrides or {}).items():
+        if key not in TransformerConfig.__dataclass_fields__:
+            valid = ", ".join(sorted(TransformerConfig.__dataclass_fields__))
+            raise ValueError(f"override_transformer_config key {key!r} is not a TransformerConfig field; valid: {valid}")
+        kwargs[key] = value
+    return TransformerConfig(**kwargs)
