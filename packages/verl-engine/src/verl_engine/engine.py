@@ -90,6 +90,20 @@ class Engine:
     def backend(self) -> str:
         return "debug (CPU, gloo, no DDP, torch AdamW, fp32)" if self.debug else "megatron (DDP + megatron optimizer)"
 
+    def describe(self) -> dict[str, Any]:
+        """What actually runs: wrapper, optimizer classes and the DDP settings in effect."""
+        info: dict[str, Any] = {"backend": self.backend, "model_wrapper": type(self.model).__name__}
+        opt = self.optimizer
+        inner = getattr(opt, "chained_optimizers", None) or [opt]
+        info["optimizer"] = [type(o).__name__ for o in inner]
+        ddp_config = getattr(self.model, "ddp_config", None)
+        if ddp_config is not None:
+            info["ddp_config"] = {
+                k: getattr(ddp_config, k)
+                for k in ("use_distributed_optimizer", "overlap_grad_reduce", "grad_reduce_in_fp32", "bucket_size")
+            }
+        return info
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr

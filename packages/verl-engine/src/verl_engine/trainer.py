@@ -88,6 +88,7 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
     hf_config = qwen2_preset(cfg.model.preset, vocab_size=vocab, **cfg.model.override_config)
     engine = build_engine(cfg, hf_config=hf_config, dims=dims, device=device)
     n_params = sum(p.numel() for p in engine.model.parameters())
+    engine_info = engine.describe()
     dataset = ArithmeticDataset(seq_length=cfg.data.max_length, seed=cfg.data.seed, tokenizer=tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     out_dir = Path(cfg.trainer.default_local_dir)
@@ -106,6 +107,7 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
             f" micro_batch={cfg.data.micro_batch_size_per_gpu} seq={cfg.data.max_length}",
             flush=True,
         )
+        print(f"engine: {json.dumps(engine_info)}", flush=True)
     bar = None
     if is_main and cfg.trainer.progress_bar:
         from tqdm import tqdm
@@ -176,6 +178,7 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__,
                     "megatron_core": str(mcore_version()),
+                    "engine": engine_info,
                     "config": _config_dict(cfg),
                 },
                 indent=2,
