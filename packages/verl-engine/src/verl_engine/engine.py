@@ -114,46 +114,73 @@ class Engine:
             dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
         return float(t.item())
 
-    def train_step(self, micro_batches: list[Batch], *, lr: float) -> StepMetrics:
-        """Forward/backward every micro-batch of this rank, reduce gradients, step the optimizer."""
+    def compute_gradients(self, micro_batches: list[Batch]) -> tuple[float, int]:
+        """Forward/backward every micro-batch of this rank and reduce gradients over DP.
+
+        Afterwards every rank holds the gradient of the global-batch token-mean loss (in ``.grad`` for
+        the debug backend, in DDP's ``main_grad`` buffers for megatron). Returns (global token-mean
+        loss, global loss-token count), identical on every rank.
+        """
         if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
+            raise ValueError("compute_gradients needs at least one micro-batch")
         global_tokens = self._global_count(sum(mb.num_loss_tokens for mb in micro_batches))
         if global_tokens == 0:
             raise ValueError("the global batch has no loss tokens (every loss_mask is 0); nothing to train on")
-        self.set_lr(lr)
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         if self.debug:
-            loss_sum, grad_norm = self._debug_step(micro_batches, global_tokens)
+            loss_sum = self._debug_backward(micro_batches, global_tokens)
         else:
-            loss_sum, grad_norm = self._megatron_step(micro_batches, global_tokens)
-        total = self._global_count(loss_sum)
-        return StepMetrics(loss=total / global_tokens, grad_norm=grad_norm, loss_tokens=int(global_tokens), lr=lr)
+            loss_sum = self._megatron_backward(micro_batches, global_tokens)
+        return self._global_count(loss_sum) / global_tokens, int(global_tokens)
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """Reduced gradients by parameter name (``main_grad`` under megatron DDP), as fp32 CPU copies."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            grad = getattr(p, "main_grad", None) if not self.debug else p.grad
+            if grad is not None:
+                out[name.removeprefix("module.").removeprefix("module.")] = grad.detach().float().cpu().clone()
+        return out
+
+    def optimizer_step(self) -> float:
+        """Clip, step the optimizer; return the gradient norm before clipping."""
+        if not self.debug:
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm) if grad_norm is not None else float("nan")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        return grad_norm
+
+    def train_step(self, micro_batches: list[Batch], *, lr: float) -> StepMetrics:
+        """One optimizer step over this rank's micro-batches at learning rate ``lr``."""
+        loss, tokens = self.compute_gradients(micro_batches)
+        self.set_lr(lr)
+        grad_norm = self.optimizer_step()
+        return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
 
     def _forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         # With labels, GPTModel returns the per-token cross entropy [b, s] (vocab-parallel under TP).
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels)
 
-    def _debug_step(self, micro_batches: list[Batch], global_tokens: float) -> tuple[float, float]:
+    def _debug_backward(self, micro_batches: list[Batch], global_tokens: float) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for mb in micro_batches:
             s = masked_loss_sum(self._forward(self.model, mb), mb.loss_mask)
             (s / global_tokens).backward()
             loss_sum += float(s.detach())
-        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.dims.dp > 1:
             group = parallel_state.get_data_parallel_group()
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer.step()
-        return loss_sum, grad_norm
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    if p.grad is None:  # every rank must join every all-reduce
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=group)
+        return loss_sum
 
-    def _megatron_step(self, micro_batches: list[Batch], global_tokens: float) -> tuple[float, float]:
+    def _megatron_backward(self, micro_batches: list[Batch], global_tokens: float) -> float:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         scale = megatron_loss_scale(num_microbatches=len(micro_batches), dp_size=self.dims.dp)
@@ -178,9 +205,7 @@ class Engine:
             micro_batch_size=first.batch_size,
             forward_only=False,
         )
-        _, grad_norm, _ = self.optimizer.step()
-        loss_sum = float(sum(float(r["loss_sum"]) for r in reduced))
-        return loss_sum, float(grad_norm) if grad_norm is not None else float("nan")
+        return float(sum(float(r["loss_sum"]) for r in reduced))
 
 
 def build_engine(
