@@ -20,14 +20,21 @@ import argparse
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ["megatron-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "tqdm", "packaging"]
 EXTRAS = {"mbridge": ["mbridge"], "peft": ["peft", "safetensors"], "hf": ["safetensors"]}
-PLATFORM_TAGS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-                 "manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORM_TAGS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 def locked_versions() -> dict[str, str]:
@@ -44,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="wheelhouse", type=Path)
     ap.add_argument("--python-version", default="3.12")
-    ap.add_argument("--platform", action="append", help="pip --platform tag (repeatable); default: manylinux x86_64 tags")
+    ap.add_argument(
+        "--platform", action="append", help="pip --platform tag (repeatable); default: manylinux x86_64 tags"
+    )
     ap.add_argument("--mcore", help="megatron-core version (default: the locked one)")
     ap.add_argument("--extra", action="append", default=[], choices=sorted(EXTRAS))
     args = ap.parse_args(argv)
@@ -64,8 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     plat_args = [a for p in platforms for a in ("--platform", p)]
     for pin in pins:
         try:
-            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--implementation", "cp",
-                 "--python-version", args.python_version, *plat_args, "-d", str(out), pin])
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--implementation",
+                    "cp",
+                    "--python-version",
+                    args.python_version,
+                    *plat_args,
+                    "-d",
+                    str(out),
+                    pin,
+                ]
+            )
         except subprocess.CalledProcessError:
             # Only a source distribution (e.g. antlr4-python3-runtime): build a pure-Python wheel here.
             run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), pin])
@@ -75,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     line = f"python3 -m pip install --no-index --no-deps --target /tmp/site {out.name}/*.whl && export PYTHONPATH=/tmp/site"
     (out / "INSTALL.txt").write_text(line + "\n")
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
-    print(f"\n{len(list(out.glob('*.whl')))} wheels, {size:.1f} MiB in {out}\ninstall on the GPU host with:\n  {line}")
+    print(
+        f"\n{len(list(out.glob('*.whl')))} wheels, {size:.1f} MiB in {out}\ninstall on the GPU host with:\n  {line}"
+    )
     return 0
 
 

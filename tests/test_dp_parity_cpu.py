@@ -18,13 +18,17 @@ COMMON = ["data.train_batch_size=8", "trainer.device=cpu"]
 
 @pytest.fixture(scope="module")
 def single_process() -> dict:
-    (ref,) = run_distributed(engine_step, world_size=1, args=("cpu", [*COMMON, "data.micro_batch_size_per_gpu=4"]))
+    (ref,) = run_distributed(
+        engine_step, world_size=1, args=("cpu", [*COMMON, "data.micro_batch_size_per_gpu=4"])
+    )
     return ref
 
 
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_two_gloo_ranks_match_single_process(single_process: dict, micro_batch: int) -> None:
-    results = run_distributed(engine_step, world_size=2, args=("cpu", [*COMMON, f"data.micro_batch_size_per_gpu={micro_batch}"]))
+    results = run_distributed(
+        engine_step, world_size=2, args=("cpu", [*COMMON, f"data.micro_batch_size_per_gpu={micro_batch}"])
+    )
     ref = single_process
     for rank, out in enumerate(results):
         assert out["dp"] == 2
@@ -40,7 +44,9 @@ def test_two_gloo_ranks_match_single_process(single_process: dict, micro_batch: 
 def test_gradients_are_not_trivially_equal(single_process: dict) -> None:
     """Guard against a vacuous parity: gradients of the full batch differ from those of half of it."""
     (half,) = run_distributed(
-        engine_step, world_size=1, args=("cpu", ["data.train_batch_size=4", "trainer.device=cpu", "data.micro_batch_size_per_gpu=4"])
+        engine_step,
+        world_size=1,
+        args=("cpu", ["data.train_batch_size=4", "trainer.device=cpu", "data.micro_batch_size_per_gpu=4"]),
     )
     name = next(iter(single_process["grads"]))
     assert not torch.allclose(half["grads"][name], single_process["grads"][name], rtol=1e-3)

@@ -28,7 +28,10 @@ def cpu_reference() -> dict:
 def _check_against(out: dict, ref: dict, *, full_grads: bool) -> None:
     assert abs(out["loss"] - ref["loss"]) <= TOL * ref["loss"], (out["loss"], ref["loss"])
     assert out["tokens"] == ref["tokens"]
-    assert abs(out["grad_norm"] - ref["grad_norm"]) <= TOL * ref["grad_norm"], (out["grad_norm"], ref["grad_norm"])
+    assert abs(out["grad_norm"] - ref["grad_norm"]) <= TOL * ref["grad_norm"], (
+        out["grad_norm"],
+        ref["grad_norm"],
+    )
     if full_grads:
         assert out["grads"].keys() == ref["grads"].keys()
         for name, g in out["grads"].items():
@@ -39,7 +42,10 @@ def _check_against(out: dict, ref: dict, *, full_grads: bool) -> None:
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_single_gpu_megatron_backend_matches_cpu(cpu_reference: dict, dist_opt: bool) -> None:
     (out,) = run_distributed(
-        engine_step, world_size=1, backend="nccl", args=("cuda", [*GPU_FP32, f"megatron.use_distributed_optimizer={dist_opt}"])
+        engine_step,
+        world_size=1,
+        backend="nccl",
+        args=("cuda", [*GPU_FP32, f"megatron.use_distributed_optimizer={dist_opt}"]),
     )
     assert out["engine"]["model_wrapper"] == "DistributedDataParallel"
     assert out["engine"]["ddp_config"]["use_distributed_optimizer"] is dist_opt
@@ -50,7 +56,10 @@ def test_single_gpu_megatron_backend_matches_cpu(cpu_reference: dict, dist_opt: 
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_two_gpu_data_parallel_matches_cpu(cpu_reference: dict, dist_opt: bool) -> None:
     results = run_distributed(
-        engine_step, world_size=2, backend="nccl", args=("cuda", [*GPU_FP32, f"megatron.use_distributed_optimizer={dist_opt}"])
+        engine_step,
+        world_size=2,
+        backend="nccl",
+        args=("cuda", [*GPU_FP32, f"megatron.use_distributed_optimizer={dist_opt}"]),
     )
     for out in results:
         assert out["dp"] == 2

@@ -45,4 +45,6 @@ def test_two_process_training_follows_single_process(tmp_path) -> None:
     # Same objective and gradients; fp32 round-off grows slowly through Adam steps.
     for step, (a, b) in enumerate(zip(single["losses"], double[0]["losses"], strict=True)):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
-    assert double[1]["last_loss"] == pytest.approx(double[0]["last_loss"], rel=1e-12)  # every rank reports the same
+    assert double[1]["last_loss"] == pytest.approx(
+        double[0]["last_loss"], rel=1e-12
+    )  # every rank reports the same

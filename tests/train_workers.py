@@ -16,5 +16,7 @@ def run_train(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any
     summary = train(cfg)
     out = asdict(summary)
     if rank == 0:
-        out["losses"] = [json.loads(line)["loss"] for line in Path(summary.metrics_path).read_text().splitlines()]
+        out["losses"] = [
+            json.loads(line)["loss"] for line in Path(summary.metrics_path).read_text().splitlines()
+        ]
     return out

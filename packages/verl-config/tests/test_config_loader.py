@@ -31,7 +31,9 @@ def test_defaults_are_typed_dataclasses() -> None:
 
 def test_yaml_then_overrides_precedence(tmp_path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("optim:\n  lr: 0.5\n  min_lr: 0.1\ndata:\n  max_length: 64\ntrainer:\n  total_training_steps: 7\n")
+    path.write_text(
+        "optim:\n  lr: 0.5\n  min_lr: 0.1\ndata:\n  max_length: 64\ntrainer:\n  total_training_steps: 7\n"
+    )
     cfg = load_config(
         SFTConfig,
         yaml_path=path,
@@ -67,7 +69,9 @@ def test_unknown_top_level_section() -> None:
 def test_unknown_key_in_yaml(tmp_path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("data:\n  micro_batch_size: 4\n")
-    with pytest.raises(ConfigKeyError, match="data.micro_batch_size'.*did you mean 'data.micro_batch_size_per_gpu'"):
+    with pytest.raises(
+        ConfigKeyError, match="data.micro_batch_size'.*did you mean 'data.micro_batch_size_per_gpu'"
+    ):
         load_config(SFTConfig, yaml_path=path)
 
 
@@ -94,7 +98,12 @@ def test_override_without_equals_is_rejected() -> None:
 
 def test_impossible_parallel_layout_names_numbers() -> None:
     with pytest.raises(ConfigValueError) as exc:
-        check_parallel_layout(world_size=6, tensor_model_parallel_size=4, pipeline_model_parallel_size=1, context_parallel_size=1)
+        check_parallel_layout(
+            world_size=6,
+            tensor_model_parallel_size=4,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=1,
+        )
     msg = str(exc.value)
     assert "world size 6" in msg and "tensor_model_parallel_size (4)" in msg and "= 4" in msg
     assert check_parallel_layout(world_size=8, tensor_model_parallel_size=2, context_parallel_size=2) == 2
@@ -103,7 +112,10 @@ def test_impossible_parallel_layout_names_numbers() -> None:
 def test_batch_not_divisible_by_micro_batch_times_dp() -> None:
     cfg = load_config(SFTConfig, overrides=["data.train_batch_size=12", "data.micro_batch_size_per_gpu=4"])
     assert cfg.check_world_size(3) == 3
-    with pytest.raises(ConfigValueError, match=r"data\.train_batch_size: 12 is not divisible by .* \(4\) x data-parallel size \(2\) = 8"):
+    with pytest.raises(
+        ConfigValueError,
+        match=r"data\.train_batch_size: 12 is not divisible by .* \(4\) x data-parallel size \(2\) = 8",
+    ):
         cfg.check_world_size(2)
 
 

@@ -30,7 +30,9 @@ def test_loss_mask_covers_exactly_the_answers() -> None:
         for t, masked in enumerate(batch.loss_mask[row].tolist()):
             last_eq = max((i for i, x in enumerate(ids[: t + 1]) if x == eq), default=-1)
             last_nl = max((i for i, x in enumerate(ids[: t + 1]) if x == nl), default=-1)
-            assert bool(masked) == (last_eq > last_nl), f"row {row} position {t}"  # label is part of an answer
+            assert bool(masked) == (last_eq > last_nl), (
+                f"row {row} position {t}"
+            )  # label is part of an answer
         text = tok.decode([*ids, batch.labels[row, -1].item()])
         for line in filter(None, text.split("\n")):
             lhs, rhs = line.split("=")
@@ -57,9 +59,25 @@ def test_lr_schedule() -> None:
 
 
 def test_cli_flags_map_to_config_keys() -> None:
-    cfg, _ = parse_train_args(["train", "--steps", "3", "--preset", "tiny", "--micro-batch-size", "2", "--device", "cpu",
-                               "optim.lr=0.01"])
-    assert (cfg.trainer.total_training_steps, cfg.model.preset, cfg.data.micro_batch_size_per_gpu) == (3, "tiny", 2)
+    cfg, _ = parse_train_args(
+        [
+            "train",
+            "--steps",
+            "3",
+            "--preset",
+            "tiny",
+            "--micro-batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "optim.lr=0.01",
+        ]
+    )
+    assert (cfg.trainer.total_training_steps, cfg.model.preset, cfg.data.micro_batch_size_per_gpu) == (
+        3,
+        "tiny",
+        2,
+    )
     assert (cfg.trainer.device, cfg.optim.lr) == ("cpu", 0.01)
     with pytest.raises(ConfigKeyError, match="did you mean 'optim.lr'"):
         parse_train_args(["train", "optim.lrr=1"])
@@ -71,11 +89,16 @@ def test_cli_flags_map_to_config_keys() -> None:
         (["megatron.use_distributed_optimiser=false"], "did you mean 'megatron.use_distributed_optimizer'"),
         (["--steps", "ten"], "invalid int value"),
         (["data.train_batch_size=lots"], "data.train_batch_size"),
-        (["megatron.tensor_model_parallel_size=3"], "world size 1 is not divisible by tensor_model_parallel_size (3)"),
+        (
+            ["megatron.tensor_model_parallel_size=3"],
+            "world size 1 is not divisible by tensor_model_parallel_size (3)",
+        ),
         (["--preset", "huge"], "model.preset: must be one of"),
     ],
 )
-def test_bad_input_stops_with_clear_message(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_stops_with_clear_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         rc = engine_main(["train", "--device", "cpu", *args])
     except SystemExit as exc:  # argparse's own type errors

@@ -30,7 +30,14 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
 @pytest.mark.parametrize("groups", [4, 2, 1])
 @pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.no_mask])
 def test_matches_reference_with_gqa(groups: int, mask_type: AttnMaskType) -> None:
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     attn = SDPACoreAttention(config=cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(9, 2, 4, 8, generator=g, requires_grad=True)

@@ -15,7 +15,9 @@ MBRIDGE_DEFAULTS = {"grad_reduce_in_fp32": True, "use_distributed_optimizer": Tr
 
 @pytest.mark.parametrize("use_dist_opt", [True, False])
 def test_wrap_config_value_reaches_ddp_config_over_path_defaults(use_dist_opt: bool) -> None:
-    ddp = build_ddp_config(wrap_config=WrapConfig(use_distributed_optimizer=use_dist_opt), path_defaults=MBRIDGE_DEFAULTS)
+    ddp = build_ddp_config(
+        wrap_config=WrapConfig(use_distributed_optimizer=use_dist_opt), path_defaults=MBRIDGE_DEFAULTS
+    )
     assert ddp is not None
     assert ddp.use_distributed_optimizer is use_dist_opt
     assert ddp.grad_reduce_in_fp32 is True  # path default kept where nobody set it
@@ -24,7 +26,11 @@ def test_wrap_config_value_reaches_ddp_config_over_path_defaults(use_dist_opt: b
 def test_override_wins_over_wrap_config() -> None:
     ddp = build_ddp_config(
         wrap_config=WrapConfig(use_distributed_optimizer=True),
-        override_ddp_config={"use_distributed_optimizer": False, "bucket_size": 12345, "grad_reduce_in_fp32": False},
+        override_ddp_config={
+            "use_distributed_optimizer": False,
+            "bucket_size": 12345,
+            "grad_reduce_in_fp32": False,
+        },
         path_defaults=MBRIDGE_DEFAULTS,
     )
     assert ddp is not None
@@ -41,7 +47,12 @@ def test_unknown_field_lists_valid_ones() -> None:
 def test_no_ddp_config_when_not_wrapping() -> None:
     assert build_ddp_config(wrap_config=WrapConfig(wrap_with_ddp=False)) is None
     with pytest.warns(UserWarning, match="not wrapped with DDP"):
-        assert build_ddp_config(wrap_config=WrapConfig(wrap_with_ddp=False), override_ddp_config={"bucket_size": 1}) is None
+        assert (
+            build_ddp_config(
+                wrap_config=WrapConfig(wrap_with_ddp=False), override_ddp_config={"bucket_size": 1}
+            )
+            is None
+        )
 
 
 def test_field_list_matches_installed_megatron() -> None:

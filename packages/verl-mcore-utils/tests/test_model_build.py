@@ -22,7 +22,9 @@ def test_transformer_config_mapping() -> None:
     tf = hf_to_transformer_config(hf, dtype="float32")
     assert (tf.num_layers, tf.hidden_size, tf.ffn_hidden_size) == (2, 64, 192)
     assert (tf.num_attention_heads, tf.num_query_groups, tf.kv_channels) == (4, 2, 16)
-    assert tf.normalization == "RMSNorm" and tf.gated_linear_unit and tf.add_qkv_bias and not tf.add_bias_linear
+    assert (
+        tf.normalization == "RMSNorm" and tf.gated_linear_unit and tf.add_qkv_bias and not tf.add_bias_linear
+    )
     with pytest.raises(ValueError, match="override_transformer_config key 'hiden_size'"):
         hf_to_transformer_config(hf, overrides={"hiden_size": 3})
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
@@ -36,13 +38,17 @@ def _forward_backward(rank: int, world_size: int) -> dict[str, object]:
     init_parallel(device="cpu")
     hf = qwen2_preset("tiny", vocab_size=128)
     torch.manual_seed(0)
-    model = build_gpt_model(hf_config=hf, tf_config=hf_to_transformer_config(hf, dtype="float32"), device="cpu")
+    model = build_gpt_model(
+        hf_config=hf, tf_config=hf_to_transformer_config(hf, dtype="float32"), device="cpu"
+    )
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(12).expand(2, 12)
     logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
     per_token = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens)
     per_token.mean().backward()
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), reduction="none")
+    ref = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), reduction="none"
+    )
     return {
         "logits_shape": tuple(logits.shape),
         "loss_shape": tuple(per_token.shape),

@@ -1,7 +1,7 @@
 """``verl-config`` command: print or validate a resolved config.
 
-    verl-config show [--config FILE] [key=value ...]
-    verl-config validate [--config FILE] [--world-size N] [key=value ...]
+verl-config show [--config FILE] [key=value ...]
+verl-config validate [--config FILE] [--world-size N] [key=value ...]
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-config", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="verl-config", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("show", "validate"):
         p = sub.add_parser(name)

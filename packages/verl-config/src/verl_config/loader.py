@@ -65,7 +65,9 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     """Parse ``key=value`` tokens (OmegaConf dotlist syntax; values parsed as YAML)."""
     for token in overrides:
         if "=" not in token:
-            raise ConfigKeyError(f"override {token!r} has no '='; write overrides as key=value, e.g. optim.lr=1e-4")
+            raise ConfigKeyError(
+                f"override {token!r} has no '='; write overrides as key=value, e.g. optim.lr=1e-4"
+            )
     return OmegaConf.from_dotlist(list(overrides))
 
 

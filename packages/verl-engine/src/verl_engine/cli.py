@@ -44,15 +44,23 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="where metrics.jsonl and summary.json go")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), help="cpu runs the labelled debug mode")
     train.add_argument("--config", help="YAML file merged over the defaults")
-    train.add_argument("--no-progress", action="store_true", help="print a line per step instead of a progress bar")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (OmegaConf dotlist)")
+    train.add_argument(
+        "--no-progress", action="store_true", help="print a line per step instead of a progress bar"
+    )
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides (OmegaConf dotlist)"
+    )
     return parser
 
 
 def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
     """Parse ``train`` arguments into a validated SFTConfig (flags first, then key=value overrides)."""
     args = _parser().parse_args(argv)
-    overrides = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_TO_KEY.items() if getattr(args, flag) is not None]
+    overrides = [
+        f"{key}={getattr(args, flag)}"
+        for flag, key in _FLAG_TO_KEY.items()
+        if getattr(args, flag) is not None
+    ]
     if args.no_progress:
         overrides.append("trainer.progress_bar=false")
     overrides += args.overrides
@@ -62,7 +70,7 @@ def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg, args = parse_train_args(argv)
+        cfg, _ = parse_train_args(argv)
     except (ConfigError, FileNotFoundError) as err:
         print(f"verl-engine: config error: {err}", file=sys.stderr)
         return 2

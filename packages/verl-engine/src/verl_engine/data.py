@@ -39,7 +39,9 @@ class CharTokenizer:
         try:
             return [self.stoi[c] for c in text]
         except KeyError as err:
-            raise ValueError(f"character {err.args[0]!r} is not in the arithmetic vocabulary {self.CHARS!r}") from None
+            raise ValueError(
+                f"character {err.args[0]!r} is not in the arithmetic vocabulary {self.CHARS!r}"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.itos[i] for i in ids if i >= len(self.SPECIALS))
@@ -63,22 +65,33 @@ class Batch:
         return int(self.loss_mask.sum().item())
 
     def slice(self, start: int, stop: int) -> Batch:
-        return Batch(*(t[start:stop] for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids)))
+        return Batch(
+            *(t[start:stop] for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids))
+        )
 
     def shard(self, *, rank: int, num_shards: int) -> Batch:
         """The contiguous ``rank``-th of ``num_shards`` equal parts (data-parallel split)."""
         if self.batch_size % num_shards:
-            raise ValueError(f"batch of {self.batch_size} sequences cannot be split into {num_shards} equal shards")
+            raise ValueError(
+                f"batch of {self.batch_size} sequences cannot be split into {num_shards} equal shards"
+            )
         per = self.batch_size // num_shards
         return self.slice(rank * per, (rank + 1) * per)
 
     def micro_batches(self, micro_batch_size: int) -> list[Batch]:
         if self.batch_size % micro_batch_size:
-            raise ValueError(f"batch of {self.batch_size} sequences is not divisible by micro batch size {micro_batch_size}")
+            raise ValueError(
+                f"batch of {self.batch_size} sequences is not divisible by micro batch size {micro_batch_size}"
+            )
         return [self.slice(i, i + micro_batch_size) for i in range(0, self.batch_size, micro_batch_size)]
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids)))
+        return Batch(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids)
+            )
+        )
 
 
 class ArithmeticDataset:

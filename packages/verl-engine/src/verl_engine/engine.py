@@ -49,7 +49,9 @@ class StepMetrics:
     lr: float
 
 
-def lr_at_step(step: int, *, total_steps: int, lr: float, min_lr: float, warmup_steps: int, style: str) -> float:
+def lr_at_step(
+    step: int, *, total_steps: int, lr: float, min_lr: float, warmup_steps: int, style: str
+) -> float:
     """Linear warm-up, then constant / linear / cosine decay to ``min_lr`` at ``total_steps``."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
@@ -88,7 +90,11 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        return "debug (CPU, gloo, no DDP, torch AdamW, fp32)" if self.debug else "megatron (DDP + megatron optimizer)"
+        return (
+            "debug (CPU, gloo, no DDP, torch AdamW, fp32)"
+            if self.debug
+            else "megatron (DDP + megatron optimizer)"
+        )
 
     def describe(self) -> dict[str, Any]:
         """What actually runs: wrapper, optimizer classes and the DDP settings in effect."""
@@ -100,7 +106,12 @@ class Engine:
         if ddp_config is not None:
             info["ddp_config"] = {
                 k: getattr(ddp_config, k)
-                for k in ("use_distributed_optimizer", "overlap_grad_reduce", "grad_reduce_in_fp32", "bucket_size")
+                for k in (
+                    "use_distributed_optimizer",
+                    "overlap_grad_reduce",
+                    "grad_reduce_in_fp32",
+                    "bucket_size",
+                )
             }
         return info
 
@@ -125,7 +136,9 @@ class Engine:
             raise ValueError("compute_gradients needs at least one micro-batch")
         global_tokens = self._global_count(sum(mb.num_loss_tokens for mb in micro_batches))
         if global_tokens == 0:
-            raise ValueError("the global batch has no loss tokens (every loss_mask is 0); nothing to train on")
+            raise ValueError(
+                "the global batch has no loss tokens (every loss_mask is 0); nothing to train on"
+            )
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         if self.debug:
             loss_sum = self._debug_backward(micro_batches, global_tokens)
@@ -139,7 +152,9 @@ class Engine:
         for name, p in self.model.named_parameters():
             grad = getattr(p, "main_grad", None) if not self.debug else p.grad
             if grad is not None:
-                out[name.removeprefix("module.").removeprefix("module.")] = grad.detach().float().cpu().clone()
+                out[name.removeprefix("module.").removeprefix("module.")] = (
+                    grad.detach().float().cpu().clone()
+                )
         return out
 
     def optimizer_step(self) -> float:
@@ -162,7 +177,9 @@ class Engine:
 
     def _forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         # With labels, GPTModel returns the per-token cross entropy [b, s] (vocab-parallel under TP).
-        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels)
+        return model(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels
+        )
 
     def _debug_backward(self, micro_batches: list[Batch], global_tokens: float) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -241,7 +258,9 @@ def build_engine(
             betas=(o.betas[0], o.betas[1]),
             eps=o.eps,
         )
-        return Engine(model=model, optimizer=optimizer, dims=dims, device=device, debug=True, clip_grad=o.clip_grad)
+        return Engine(
+            model=model, optimizer=optimizer, dims=dims, device=device, debug=True, clip_grad=o.clip_grad
+        )
 
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -272,4 +291,6 @@ def build_engine(
     optimizer = get_megatron_optimizer(opt_config, [ddp_model])
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.grad_scale_func = optimizer.scale_loss
-    return Engine(model=ddp_model, optimizer=optimizer, dims=dims, device=device, debug=False, clip_grad=o.clip_grad)
+    return Engine(
+        model=ddp_model, optimizer=optimizer, dims=dims, device=device, debug=False, clip_grad=o.clip_grad
+    )

@@ -17,7 +17,9 @@ __all__ = ["masked_loss_sum", "megatron_loss_scale"]
 def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of ``per_token_loss`` where ``loss_mask`` is 1, in float32."""
     if per_token_loss.shape != loss_mask.shape:
-        raise ValueError(f"per-token loss shape {tuple(per_token_loss.shape)} != loss mask shape {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"per-token loss shape {tuple(per_token_loss.shape)} != loss mask shape {tuple(loss_mask.shape)}"
+        )
     return (per_token_loss.float() * loss_mask.float()).sum()
 
 

@@ -46,7 +46,9 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu (debug mode)")
+            raise RuntimeError(
+                "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu (debug mode)"
+            )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -98,8 +100,12 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.write_text("")
         if engine.debug:
-            print("=" * 78, "\nDEBUG MODE (no GPU): gloo process group, no DDP wrapper, torch.optim.AdamW, float32.\n"
-                  "Same megatron-core model code; speed numbers are not representative.\n" + "=" * 78, flush=True)
+            print(
+                "=" * 78,
+                "\nDEBUG MODE (no GPU): gloo process group, no DDP wrapper, torch.optim.AdamW, float32.\n"
+                "Same megatron-core model code; speed numbers are not representative.\n" + "=" * 78,
+                flush=True,
+            )
         print(
             f"verl-engine train: preset={cfg.model.preset} params/rank={n_params / 1e6:.2f}M world={dims.world_size}"
             f" dp={dp} tp={dims.tp} backend={engine.backend} device={device} megatron-core={mcore_version()}"
@@ -144,12 +150,16 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
             "peak_memory_gib": _peak_memory_gib(device),
         }
         if not all(map(lambda v: v == v, (metrics.loss, metrics.grad_norm))):  # NaN check
-            raise FloatingPointError(f"step {step + 1}: loss {metrics.loss} / grad norm {metrics.grad_norm} is NaN")
+            raise FloatingPointError(
+                f"step {step + 1}: loss {metrics.loss} / grad norm {metrics.grad_norm} is NaN"
+            )
         if is_main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{metrics.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False
+                )
                 bar.update(1)
             if (step + 1) % cfg.trainer.log_every == 0 and bar is None:
                 print(

@@ -64,7 +64,9 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """[sq, b, np, hn] x [sk, b, ng, hn] x [sk, b, ng, hn] -> [sq, b, np * hn]."""
         if packed_seq_params is not None:
-            raise ValueError("packed (THD) sequences need verl_dyncp's core attention; SDPACoreAttention takes BSHD only")
+            raise ValueError(
+                "packed (THD) sequences need verl_dyncp's core attention; SDPACoreAttention takes BSHD only"
+            )
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type

@@ -15,8 +15,8 @@ from typing import Any
 from packaging.version import Version
 
 __all__ = [
-    "MIN_MCORE",
     "MAX_MCORE_EXCLUSIVE",
+    "MIN_MCORE",
     "ddp_config_fields",
     "import_megatron_core",
     "mcore_version",

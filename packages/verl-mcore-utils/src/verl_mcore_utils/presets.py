@@ -15,10 +15,34 @@ __all__ = ["PRESETS", "qwen2_preset"]
 
 _SIZES: dict[str, dict[str, int]] = {
     # name: hidden, layers, heads, kv heads, ffn
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192},
-    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 704},
-    "base": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 2816},
-    "1b": {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 5504},
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 192,
+    },
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 704,
+    },
+    "base": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 5504,
+    },
 }
 
 PRESETS: tuple[str, ...] = tuple(_SIZES)

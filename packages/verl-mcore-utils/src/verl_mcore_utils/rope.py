@@ -28,7 +28,9 @@ class PortableRotaryEmbedding(RotaryEmbedding):
             self.inv_freq = self.inv_freq.to(self.target_device)
         group = cp_group if cp_group is not None else getattr(self, "cp_group", None)
         if group is not None and group.size() > 1 and not packed_seq:
-            raise ValueError("context-parallel RoPE slicing needs verl_dyncp; this model was built for CP size 1")
+            raise ValueError(
+                "context-parallel RoPE slicing needs verl_dyncp; this model was built for CP size 1"
+            )
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         if self.rotary_interleaved:
             emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)

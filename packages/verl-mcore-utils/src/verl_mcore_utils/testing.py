@@ -89,7 +89,9 @@ def run_distributed(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, tuple(args), queue), daemon=True)
+        ctx.Process(
+            target=_worker, args=(rank, world_size, port, backend, fn, tuple(args), queue), daemon=True
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -112,7 +114,9 @@ def run_distributed(
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
                 if dead:
-                    raise DistributedRunError(f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}") from None
+                    raise DistributedRunError(
+                        f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
+                    ) from None
                 continue
             if ok:
                 results[rank] = payload

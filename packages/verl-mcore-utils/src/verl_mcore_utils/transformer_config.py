@@ -45,7 +45,9 @@ def hf_to_transformer_config(
     """
     model_type = hf_get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     act = hf_get(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; dense Qwen2/Qwen3/Llama use 'silu' (SwiGLU)")
@@ -91,6 +93,8 @@ def hf_to_transformer_config(
     for key, value in (overrides or {}).items():
         if key not in TransformerConfig.__dataclass_fields__:
             valid = ", ".join(sorted(TransformerConfig.__dataclass_fields__))
-            raise ValueError(f"override_transformer_config key {key!r} is not a TransformerConfig field; valid: {valid}")
+            raise ValueError(
+                f"override_transformer_config key {key!r} is not a TransformerConfig field; valid: {valid}"
+            )
         kwargs[key] = value
     return TransformerConfig(**kwargs)

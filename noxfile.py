@@ -1,0 +1,89 @@
+"""Test matrix over megatron-core releases, lint, and the offline wheelhouse.
+
+    uv run nox -t ci                 # what CI runs: lint, verl-config alone, oldest + newest megatron-core
+    uv run nox -s tests              # every megatron-core version below
+    uv run nox -s "tests(mcore='0.16.1')"
+    uv run nox -s wheelhouse -- --mcore 0.19.2 --out wheelhouse
+
+Each test session installs the workspace from uv.lock (uv sync --frozen) into its own virtualenv and
+then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.14 / 0.15).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.12"
+MCORE_VERSIONS = ["0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
+CI_MCORE_VERSIONS = {MCORE_VERSIONS[0], MCORE_VERSIONS[-1]}
+# What an old megatron-core needs beside it (its wheel declares numpy<2).
+EXTRA_PINS = {"0.14.0": ["numpy<2"], "0.15.3": ["numpy<2"]}
+PACKAGES = ["verl-config", "verl-mcore-utils", "verl-dyncp", "verl-mfsdp", "verl-engine"]
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install from uv.lock into the session's virtualenv."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--inexact",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location, "UV_PYTHON_DOWNLOADS": "never"},
+    )
+
+
+def _pytest(session: nox.Session, path: str, name: str) -> None:
+    junit = os.path.join(".nox", "junit", f"{name}.xml")
+    session.run(
+        "python", "-m", "pytest", path, "-q", "-m", "not gpu", f"--junitxml={junit}", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def config(session: nox.Session) -> None:
+    """verl-config alone, with no torch in the environment (it must not need it)."""
+    _sync(session, "--package", "verl-config", "--no-default-groups")
+    session.install("pytest>=8", "hypothesis>=6")
+    session.run(
+        "python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
+    )
+    _pytest(session, "packages/verl-config/tests", "verl-config")
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize(
+    "mcore", [nox.param(v, id=v, tags=["ci"] if v in CI_MCORE_VERSIONS else []) for v in MCORE_VERSIONS]
+)
+def tests(session: nox.Session, mcore: str) -> None:
+    """Every package's tests and the cross-package tests against one megatron-core release."""
+    _sync(session, "--all-packages", "--all-extras", "--no-default-groups", "--group", "test")
+    session.install(f"megatron-core=={mcore}", *EXTRA_PINS.get(mcore, []))
+    session.run(
+        "python", "-c", f"import importlib.metadata as m; assert m.version('megatron-core') == '{mcore}'"
+    )
+    for pkg in PACKAGES:
+        tests_dir = f"packages/{pkg}/tests"
+        if any(f.startswith("test_") for f in os.listdir(tests_dir)):
+            _pytest(session, tests_dir, f"{pkg}-mcore{mcore}")
+    _pytest(session, "tests", f"cross-mcore{mcore}")
+
+
+@nox.session(python=PYTHON, venv_backend="none")
+def wheelhouse(session: nox.Session) -> None:
+    """Offline wheels for an air-gapped GPU host (see scripts/wheelhouse.py for the options)."""
+    session.run("python", "scripts/wheelhouse.py", *session.posargs)

@@ -1,0 +1,64 @@
+"""Workspace packaging rules: versions, typed markers, public API, one-way dependencies."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "verl-config": "verl_config",
+    "verl-mcore-utils": "verl_mcore_utils",
+    "verl-dyncp": "verl_dyncp",
+    "verl-mfsdp": "verl_mfsdp",
+    "verl-engine": "verl_engine",
+}
+# Which siblings each package may depend on (config <- mcore-utils <- dyncp, mfsdp <- engine).
+ALLOWED_SIBLINGS = {
+    "verl-config": set(),
+    "verl-mcore-utils": {"verl-config"},
+    "verl-dyncp": {"verl-mcore-utils"},
+    "verl-mfsdp": {"verl-mcore-utils"},
+    "verl-engine": {"verl-config", "verl-mcore-utils", "verl-dyncp", "verl-mfsdp"},
+}
+
+
+def _pyproject(dist: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_package_layout_version_and_api(dist: str) -> None:
+    module_name = PACKAGES[dist]
+    meta = _pyproject(dist)["project"]
+    assert meta["requires-python"] == ">=3.10"
+    src = ROOT / "packages" / dist / "src" / module_name
+    assert (src / "py.typed").is_file()
+    assert (ROOT / "packages" / dist / "README.md").is_file()
+    module = importlib.import_module(module_name)
+    assert module.__version__ == meta["version"] == importlib.metadata.version(dist)
+    for name in module.__all__:
+        assert hasattr(module, name), f"{module_name}.__all__ lists {name!r} but the module has no such attribute"
+
+
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_sibling_dependencies_are_versioned_and_one_way(dist: str) -> None:
+    deps = _pyproject(dist)["project"]["dependencies"]
+    siblings = {}
+    for dep in deps:
+        name = re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0]
+        if name in PACKAGES:
+            siblings[name] = dep
+    assert set(siblings) <= ALLOWED_SIBLINGS[dist], f"{dist} depends on {set(siblings) - ALLOWED_SIBLINGS[dist]}"
+    for name, dep in siblings.items():
+        assert re.search(r">=\s*\d", dep), f"{dist}: dependency {dep!r} on a sibling needs a version constraint"
+
+
+def test_verl_config_has_no_torch_dependency() -> None:
+    requires = importlib.metadata.requires("verl-config") or []
+    assert not [r for r in requires if r.lower().startswith(("torch", "megatron"))], requires
