@@ -20,9 +20,8 @@ import argparse
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ["megatron-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "tqdm", "packaging"]
