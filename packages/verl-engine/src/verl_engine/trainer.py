@@ -7,6 +7,7 @@ Rank 0 shows a progress bar, prints a summary and writes one JSON line per step 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -149,7 +150,7 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
             "tokens_per_s": tokens_per_step / elapsed,
             "peak_memory_gib": _peak_memory_gib(device),
         }
-        if not all(map(lambda v: v == v, (metrics.loss, metrics.grad_norm))):  # NaN check
+        if not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)):
             raise FloatingPointError(
                 f"step {step + 1}: loss {metrics.loss} / grad norm {metrics.grad_norm} is NaN"
             )
@@ -189,7 +190,7 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
                     "torch": torch.__version__,
                     "megatron_core": str(mcore_version()),
                     "engine": engine_info,
-                    "config": _config_dict(cfg),
+                    "config": asdict(cfg),
                 },
                 indent=2,
             )
@@ -201,7 +202,3 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
             flush=True,
         )
     return summary
-
-
-def _config_dict(cfg: SFTConfig) -> dict[str, Any]:
-    return asdict(cfg)
