@@ -152,6 +152,7 @@ class Engine:
         for name, p in self.model.named_parameters():
             grad = getattr(p, "main_grad", None) if not self.debug else p.grad
             if grad is not None:
+                # DDP and Float16Module each add one "module." in front of the GPTModel's names.
                 out[name.removeprefix("module.").removeprefix("module.")] = (
                     grad.detach().float().cpu().clone()
                 )

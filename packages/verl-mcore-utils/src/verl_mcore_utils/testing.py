@@ -10,7 +10,9 @@ other processes are killed) instead of hanging the test session.
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,9 +100,6 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
-    import queue as queue_mod
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) + len(failures) < world_size:
