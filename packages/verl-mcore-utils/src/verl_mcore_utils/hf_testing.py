@@ -1,0 +1,73 @@
+"""Tiny Hugging Face checkpoints with random weights, saved by transformers, for parity tests.
+
+Parity tests compare a megatron-core model against the Hugging Face implementation of the same
+checkpoint; they need small models of each supported architecture (Qwen2: QKV bias; Qwen3: QK
+layernorm, explicit head_dim; Llama: no biases) that exercise grouped-query attention and, on
+request, tied embeddings. Nothing is downloaded: configs are built here and weights are random
+(seeded), written with ``save_pretrained`` as safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_ARCHS", "save_tiny_hf_model", "tiny_hf_config"]
+
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama")
+
+
+def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **overrides: Any) -> Any:
+    """A transformers config of ``model_type`` with 2 layers, hidden 64, 4 query / 2 KV heads."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+    }
+    if model_type == "qwen2":
+        cls = transformers.Qwen2Config
+    elif model_type == "qwen3":
+        cls = transformers.Qwen3Config
+        common["head_dim"] = 24  # != hidden / heads, as in real Qwen3 models
+    elif model_type == "llama":
+        cls = transformers.LlamaConfig
+    else:
+        raise ValueError(f"model_type {model_type!r} has no tiny config; choose one of {', '.join(TINY_ARCHS)}")
+    common.update(overrides)
+    return cls(**common)
+
+
+def save_tiny_hf_model(
+    model_type: str, path: str | Path, *, tie_word_embeddings: bool = False, seed: int = 0, **overrides: Any
+) -> Path:
+    """Save a randomly initialised tiny ``model_type`` causal LM (fp32 safetensors) to ``path``.
+
+    Weights are drawn with a larger std than the default init so that every layer changes the
+    logits measurably (a mapping bug cannot hide behind near-zero weights).
+    """
+    import torch
+    import transformers
+
+    config = tiny_hf_config(model_type, tie_word_embeddings=tie_word_embeddings, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.05 * torch.randn_like(param))
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
