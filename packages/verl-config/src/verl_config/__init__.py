@@ -1,42 +1,121 @@
-"""verl_config: typed, validated trainer configuration (no torch dependency).
+"""verl_config: the unified, typed and validated trainer config (no torch dependency).
 
-Public API: the schema dataclasses, :func:`load_config` (defaults <- YAML <- ``a.b=c`` overrides),
-the error types and the layout checks.
+Public API: :func:`load_config` (entry ``ppo_trainer`` with ``model_engine=fsdp|megatron``, or any
+config dataclass such as :class:`SFTConfig`), the schema dataclasses, the engine sections with
+their conversions to the keyword arguments of the lower layers, the LoRA block and module-name
+translation, the override parser, the generated reference configs, the error types and checks.
 """
 
-from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError
-from verl_config.loader import load_config, parse_overrides, to_yaml
-from verl_config.schema import (
+from verl_config.compose import ENTRIES, default_tree, load_config
+from verl_config.engines import (
     DTYPES,
-    MODEL_PRESETS,
+    MEGATRON_FSDP_SHARDING_STRATEGIES,
+    FSDPEngineConfig,
+    FSDPOptimConfig,
+    McoreEngineConfig,
+    McoreOptimConfig,
+)
+from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError
+from verl_config.generate import GENERATED_DIR, check_generated, engine_differences, generated_yaml, write_generated
+from verl_config.loader import apply_override, to_yaml
+from verl_config.lora import (
+    DEFAULT_LORA_ALPHA,
+    HF_TO_MCORE,
+    MCORE_LINEAR_MODULES,
+    LoraConfig,
+    translate_target_modules,
+)
+from verl_config.notes import ConfigNote, config_notes
+from verl_config.overrides import Override, format_value, parse_override, parse_value
+from verl_config.ppo import (
+    MODEL_ENGINES,
+    ActorConfig,
+    ActorRolloutRefConfig,
+    AlgorithmConfig,
+    CriticConfig,
     DataConfig,
-    MegatronEngineConfig,
+    FSDPActorConfig,
+    FSDPCriticConfig,
+    FSDPRefConfig,
+    McoreActorConfig,
+    McoreCriticConfig,
+    McoreRefConfig,
     ModelConfig,
-    OptimConfig,
-    SFTConfig,
+    RefConfig,
+    RolloutConfig,
+    RunConfig,
     TrainerConfig,
+)
+from verl_config.sft import (
+    MODEL_PRESETS,
+    SFTConfig,
+    SFTDataConfig,
+    SFTMegatronConfig,
+    SFTModelConfig,
+    SFTOptimConfig,
+    SFTTrainerConfig,
 )
 from verl_config.validation import check_choice, check_parallel_layout, check_positive
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DEFAULT_LORA_ALPHA",
     "DTYPES",
+    "ENTRIES",
+    "GENERATED_DIR",
+    "HF_TO_MCORE",
+    "MCORE_LINEAR_MODULES",
+    "MEGATRON_FSDP_SHARDING_STRATEGIES",
+    "MODEL_ENGINES",
     "MODEL_PRESETS",
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
     "ConfigError",
     "ConfigKeyError",
+    "ConfigNote",
     "ConfigTypeError",
     "ConfigValueError",
+    "CriticConfig",
     "DataConfig",
-    "MegatronEngineConfig",
+    "FSDPActorConfig",
+    "FSDPCriticConfig",
+    "FSDPEngineConfig",
+    "FSDPOptimConfig",
+    "FSDPRefConfig",
+    "LoraConfig",
+    "McoreActorConfig",
+    "McoreCriticConfig",
+    "McoreEngineConfig",
+    "McoreOptimConfig",
+    "McoreRefConfig",
     "ModelConfig",
-    "OptimConfig",
+    "Override",
+    "RefConfig",
+    "RolloutConfig",
+    "RunConfig",
     "SFTConfig",
+    "SFTDataConfig",
+    "SFTMegatronConfig",
+    "SFTModelConfig",
+    "SFTOptimConfig",
+    "SFTTrainerConfig",
     "TrainerConfig",
+    "apply_override",
     "check_choice",
+    "check_generated",
     "check_parallel_layout",
     "check_positive",
+    "config_notes",
+    "default_tree",
+    "engine_differences",
+    "format_value",
+    "generated_yaml",
     "load_config",
-    "parse_overrides",
+    "parse_override",
+    "parse_value",
     "to_yaml",
+    "translate_target_modules",
+    "write_generated",
 ]

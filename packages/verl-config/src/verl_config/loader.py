@@ -1,140 +1,253 @@
-"""Load a typed config: schema defaults <- YAML file <- dotlist overrides (``a.b.c=value``).
+"""Typed config trees on OmegaConf: merge layers, apply overrides, build the dataclasses.
 
-OmegaConf does the merging and type conversion; this module turns its exceptions into ours (with
-the full key and a "did you mean" hint) and builds the dataclasses itself, section by section, so
-that a ``__post_init__`` error is reported with the path of the section that raised it.
+OmegaConf does the type conversion and keeps schema nodes closed; this module turns its
+exceptions into ours (full key, the closest valid key, the valid keys of that section) and builds
+the dataclasses itself, node by node, so that a ``__post_init__`` error or note carries the path of
+the section that raised it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-import typing
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf import errors as oc_errors
 
 from verl_config.errors import ConfigKeyError, ConfigTypeError, ConfigValueError
+from verl_config.notes import ConfigNote
+from verl_config.overrides import Override, format_value, parse_override
 
-__all__ = ["load_config", "parse_overrides", "to_yaml"]
+__all__ = [
+    "apply_override",
+    "build_typed",
+    "explicit_keys",
+    "merge_layer",
+    "read_yaml",
+    "to_yaml",
+    "unknown_key_error",
+]
 
-T = TypeVar("T")
+# Called with the full dotted key of an unknown key; returns an extra hint or None
+# (the PPO loader uses it to say "exists only with model_engine=megatron").
+KeyHint = Callable[[str], str | None]
 
 
-def _valid_keys(schema: type, full_key: str) -> list[str]:
-    """Field names of the dataclass that ``full_key``'s parent path points to inside ``schema``."""
-    node: Any = schema
-    for part in full_key.split(".")[:-1]:
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
-        node = hints.get(part)
-        if node is None or not dataclasses.is_dataclass(node):
-            return []
-    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+def _is_schema_node(node: Any) -> bool:
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
-def _unknown_key(schema: type, full_key: str) -> ConfigKeyError:
-    valid = _valid_keys(schema, full_key)
-    leaf = full_key.rsplit(".", 1)[-1]
-    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+def _child_keys(cfg: DictConfig, parent: str) -> list[str]:
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
+def unknown_key_error(cfg: DictConfig, full_key: str, *, hint: KeyHint | None = None) -> ConfigKeyError:
+    """An error for ``full_key``: the closest valid key ("did you mean") and the valid keys of its section."""
+    parent, _, leaf = full_key.rpartition(".")
+    # Walk down to the deepest existing ancestor, so a typo in a middle segment is reported there.
+    parts = full_key.split(".")
+    depth = 0
+    node: Any = cfg
+    while depth < len(parts) - 1 and isinstance(node, DictConfig) and parts[depth] in node:
+        node = node[parts[depth]]
+        depth += 1
+    if depth < len(parts) - 1:
+        parent, leaf = ".".join(parts[:depth]), parts[depth]
+    valid = _child_keys(cfg, parent)
     close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
-    where = f"'{parent}'" if parent else "the top level"
-    msg = f"unknown config key '{full_key}'"
+    bad = f"{parent}.{leaf}" if parent else leaf
+    msg = f"unknown config key '{full_key}'" if bad == full_key else f"unknown config key '{full_key}' ('{bad}' does not exist)"
     if close:
-        prefix = f"{parent}." if parent else ""
-        msg += f"; did you mean '{prefix}{close[0]}'?"
+        msg += f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?"
+    extra = hint(full_key) if hint is not None else None
+    if extra:
+        msg += f"; {extra}."
     if valid:
-        msg += f" Valid keys under {where}: {', '.join(sorted(valid))}"
+        msg += f" Valid keys under {repr(parent) if parent else 'the top level'}: {', '.join(sorted(valid))}"
     return ConfigKeyError(msg)
 
 
-def _translate(schema: type, exc: oc_errors.OmegaConfBaseException, origin: str) -> Exception:
+def _translate(cfg: DictConfig, exc: oc_errors.OmegaConfBaseException, origin: str, hint: KeyHint | None) -> Exception:
     full_key = str(getattr(exc, "full_key", "") or getattr(exc, "key", "") or "")
     if isinstance(exc, oc_errors.ConfigKeyError | oc_errors.ConfigAttributeError):
-        return _unknown_key(schema, full_key)
-    if isinstance(exc, oc_errors.ValidationError):
-        first_line = str(exc).splitlines()[0]
-        return ConfigTypeError(f"{full_key}: {first_line} (from {origin})")
-    return ConfigTypeError(f"{full_key or '<config>'}: {exc} (from {origin})")
+        return unknown_key_error(cfg, full_key, hint=hint)
+    if isinstance(exc, oc_errors.InterpolationKeyError | oc_errors.InterpolationResolutionError):
+        return ConfigValueError(full_key or "<config>", f"{str(exc).splitlines()[0]} (from {origin})")
+    first_line = str(exc).splitlines()[0]
+    return ConfigTypeError(f"{full_key or '<config>'}: {first_line} (from {origin})")
 
 
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """Parse ``key=value`` tokens (OmegaConf dotlist syntax; values parsed as YAML)."""
-    for token in overrides:
-        if "=" not in token:
-            raise ConfigKeyError(
-                f"override {token!r} has no '='; write overrides as key=value, e.g. optim.lr=1e-4"
-            )
-    return OmegaConf.from_dotlist(list(overrides))
-
-
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
-    hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        field_type = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(field_type) and isinstance(value, Mapping):
-            value = _build(field_type, value, f"{path}.{f.name}" if path else f.name)  # type: ignore[arg-type]
-        kwargs[f.name] = value
-    try:
-        return cls(**kwargs)
-    except ConfigValueError as err:
-        raise err.with_prefix(path) from None
-
-
-def load_config(
-    schema: type[T],
-    *,
-    yaml_path: str | Path | None = None,
-    yaml_text: str | None = None,
-    overrides: Sequence[str] = (),
-) -> T:
-    """Return an instance of the dataclass ``schema`` from its defaults, a YAML file and overrides.
-
-    Precedence: schema defaults < YAML (``yaml_path`` or ``yaml_text``) < ``overrides``.
-    Raises ConfigKeyError for an unknown key, ConfigTypeError for a value of the wrong type and
-    ConfigValueError for a value the schema's validation rejects; every message names the key.
-    """
+def read_yaml(*, yaml_path: str | Path | None = None, yaml_text: str | None = None) -> tuple[str, DictConfig] | None:
+    """Read the user's YAML layer (file or text); None when neither is given."""
     if yaml_path is not None and yaml_text is not None:
         raise ValueError("give yaml_path or yaml_text, not both")
-    cfg = OmegaConf.structured(schema)
-    layers: list[tuple[str, Any]] = []
     if yaml_path is not None:
         path = Path(yaml_path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        layers.append((str(path), OmegaConf.load(path)))
+        layer = OmegaConf.load(path)
+        origin = str(path)
     elif yaml_text is not None:
-        layers.append(("yaml text", OmegaConf.create(yaml_text)))
-    if overrides:
-        layers.append(("command-line overrides", parse_overrides(overrides)))
-    for origin, layer in layers:
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except oc_errors.OmegaConfBaseException as exc:
-            raise _translate(schema, exc, origin) from None
+        layer = OmegaConf.create(yaml_text)
+        origin = "yaml text"
+    else:
+        return None
+    if not isinstance(layer, DictConfig):
+        raise ConfigTypeError(f"{origin}: the top level of a config file must be a mapping, not a {type(layer).__name__}")
+    return origin, layer
+
+
+def merge_layer(cfg: DictConfig, layer: DictConfig, *, origin: str, hint: KeyHint | None = None) -> DictConfig:
+    """Merge ``layer`` (a YAML file) into ``cfg``; unknown keys and bad types raise our errors."""
     try:
-        data = OmegaConf.to_container(cfg, resolve=True)
+        return OmegaConf.merge(cfg, layer)  # type: ignore[return-value]
     except oc_errors.OmegaConfBaseException as exc:
-        raise _translate(schema, exc, "interpolation") from None
-    assert isinstance(data, dict)
-    return _build(schema, data, "")
+        raise _translate(cfg, exc, origin, hint) from None
 
 
-def to_yaml(config: Any) -> str:
-    """Render a config dataclass (or mapping) as YAML."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+def apply_override(cfg: DictConfig, override: Override | str, *, hint: KeyHint | None = None) -> None:
+    """Apply one command-line override in place (semantics in :mod:`verl_config.overrides`).
+
+    Schema sections are closed: ``key=value`` may only set existing keys there, ``+``/``~`` are
+    refused with the reason. Open dicts (``override_ddp_config``, ``override_config`` ...) accept new
+    keys with or without ``+``, as verl users write both.
+    """
+    ov = parse_override(override) if isinstance(override, str) else override
+    try:
+        _apply(cfg, ov, hint)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise _translate(cfg, exc, f"override {ov.text!r}", hint) from None
+
+
+def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
+    parent_key, _, leaf = ov.key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, throw_on_missing=False) if parent_key else cfg
+    if parent_key and parent is None and ov.kind in ("set", "add", "force_add"):
+        parent = _create_in_open_dict(cfg, parent_key, ov, hint)
+    if not isinstance(parent, DictConfig):
+        if parent is None:
+            raise unknown_key_error(cfg, ov.key, hint=hint)
+        raise ConfigTypeError(f"override {ov.text!r}: '{parent_key}' holds a {type(parent).__name__} value, not a section")
+    exists = leaf in parent
+    closed = _is_schema_node(parent)
+    where = f"'{parent_key}'" if parent_key else "the top level"
+    if ov.kind == "delete":
+        if not exists:
+            raise unknown_key_error(cfg, ov.key, hint=hint)
+        if closed:
+            raise ConfigKeyError(
+                f"override {ov.text!r}: cannot delete '{ov.key}', a key of the typed section {where};"
+                f" set it instead ({ov.key}=VALUE)"
+            )
+        if ov.has_value and OmegaConf.to_container(OmegaConf.create({"v": parent[leaf]}))["v"] != ov.value:
+            raise ConfigValueError(
+                ov.key, f"override {ov.text!r} deletes it only if it equals {format_value(ov.value)}, but it is {parent[leaf]!r}"
+            )
+        with open_dict(parent):
+            del parent[leaf]
+        return
+    if ov.kind == "add" and exists:
+        raise ConfigKeyError(
+            f"override {ov.text!r}: '{ov.key}' already exists; use {ov.key}=VALUE to change it (or ++{ov.key}=VALUE)"
+        )
+    if not exists and closed:
+        if ov.kind in ("add", "force_add"):
+            err = unknown_key_error(cfg, ov.key, hint=hint)
+            raise ConfigKeyError(f"cannot add a key to the typed section {where}: {err}")
+        raise unknown_key_error(cfg, ov.key, hint=hint)
+    if exists and _is_schema_node(parent[leaf]) and isinstance(ov.value, dict):
+        parent[leaf] = OmegaConf.merge(parent[leaf], ov.value)
+    else:
+        with open_dict(parent):
+            parent[leaf] = ov.value
+
+
+def _create_in_open_dict(cfg: DictConfig, parent_key: str, ov: Override, hint: KeyHint | None) -> DictConfig:
+    """Create missing intermediate dicts, but only below an existing open dict."""
+    parts = parent_key.split(".")
+    node: Any = cfg
+    for part in parts:
+        if isinstance(node, DictConfig) and part in node:
+            if node[part] is None:  # e.g. an optional dict field that is null: start it empty
+                node[part] = {}
+            node = node[part]
+            continue
+        if not isinstance(node, DictConfig) or _is_schema_node(node):
+            raise unknown_key_error(cfg, ov.key, hint=hint)
+        with open_dict(node):
+            node[part] = {}
+        node = node[part]
+    return node
+
+
+def explicit_keys(layer: DictConfig | Mapping[str, Any] | None, overrides: list[Override]) -> set[str]:
+    """Dotted leaf keys the user wrote (YAML layer and overrides), to tell "given" from "default"."""
+    keys: set[str] = set()
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping | DictConfig) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif prefix:
+            keys.add(prefix)
+
+    if layer is not None:
+        walk("", OmegaConf.to_container(layer) if isinstance(layer, DictConfig) else layer)
+    for ov in overrides:
+        if ov.kind != "delete":
+            walk(ov.key, ov.value)
+    return keys
+
+
+def build_typed(cfg: DictConfig, *, origin: str = "config", hint: KeyHint | None = None) -> tuple[Any, list[str]]:
+    """Resolve ``cfg`` and build its dataclasses bottom-up; return (object, notes).
+
+    The concrete dataclass of every section is taken from the node (so an engine-specific
+    subclass stays itself), every ``__post_init__`` error gets the section path in front of its
+    key, and :class:`~verl_config.notes.ConfigNote` warnings are collected with full keys.
+    """
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise _translate(cfg, exc, origin, hint) from None
+    notes: list[str] = []
+    return _build_node(cfg, data, "", notes), notes
+
+
+def _build_node(node: DictConfig, data: Mapping[str, Any], path: str, notes: list[str]) -> Any:
+    cls = OmegaConf.get_type(node)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = data[f.name]
+        child = node._get_node(f.name)  # the node, not its value: keeps the concrete dataclass type
+        if isinstance(child, DictConfig) and _is_schema_node(child) and isinstance(value, Mapping):
+            value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes)
+        kwargs[f.name] = value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigNote)
+        try:
+            obj = cls(**kwargs)
+        except ConfigValueError as err:
+            raise err.with_prefix(path) from None
+    for w in caught:
+        if isinstance(w.message, ConfigNote):
+            notes.append(f"{path + '.' if path else ''}{w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return obj
+
+
+def to_yaml(config: Any, *, resolve: bool = False) -> str:
+    """Render a config (dataclass instance, DictConfig or mapping) as YAML."""
+    if isinstance(config, DictConfig | ListConfig):
+        node = config
+    elif dataclasses.is_dataclass(config):
+        node = OmegaConf.structured(config)
+    else:
+        node = OmegaConf.create(config)
+    return OmegaConf.to_yaml(node, resolve=resolve)

@@ -9,8 +9,19 @@ from verl_config.errors import ConfigValueError
 __all__ = ["check_choice", "check_parallel_layout", "check_positive"]
 
 
+def _unresolved(value: object) -> bool:
+    """An OmegaConf interpolation not resolved yet (schema defaults such as ``${data.max_prompt_length}``).
+
+    Default sections are instantiated once, before the tree is resolved; their interpolated
+    fields are checked when the loader builds the resolved config.
+    """
+    return isinstance(value, str) and "${" in value
+
+
 def check_positive(key: str, value: int | float, *, allow_zero: bool = False) -> None:
     """Raise ConfigValueError unless ``value`` is > 0 (or >= 0 with ``allow_zero``)."""
+    if _unresolved(value):
+        return
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigValueError(key, f"must be {bound}, got {value!r}")
@@ -19,6 +30,8 @@ def check_positive(key: str, value: int | float, *, allow_zero: bool = False) ->
 def check_choice(key: str, value: object, choices: Iterable[object]) -> None:
     """Raise ConfigValueError unless ``value`` is one of ``choices``."""
     allowed = tuple(choices)
+    if _unresolved(value):
+        return
     if value not in allowed:
         raise ConfigValueError(key, f"must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 

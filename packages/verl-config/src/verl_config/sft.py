@@ -1,4 +1,4 @@
-"""Typed schema of the engine sections used by the Megatron SFT slice.
+"""Typed schema of ``verl-engine train``: an SFT run on the Megatron engine (small, self-contained).
 
 Key names follow verl's trainer config (``megatron.tensor_model_parallel_size``,
 ``megatron.override_ddp_config``, ``optim.lr``, ``data.train_batch_size`` ...) so that users keep
@@ -11,26 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_config.engines import DTYPES
 from verl_config.errors import ConfigValueError
 from verl_config.validation import check_choice, check_positive
 
 __all__ = [
-    "DTYPES",
     "MODEL_PRESETS",
-    "DataConfig",
-    "MegatronEngineConfig",
-    "ModelConfig",
-    "OptimConfig",
     "SFTConfig",
-    "TrainerConfig",
+    "SFTDataConfig",
+    "SFTMegatronConfig",
+    "SFTModelConfig",
+    "SFTOptimConfig",
+    "SFTTrainerConfig",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
 MODEL_PRESETS = ("tiny", "small", "base", "1b")
 
 
 @dataclass
-class ModelConfig:
+class SFTModelConfig:
     """Which model to build.
 
     ``preset`` names a locally built Qwen2-architecture config (no download); ``path`` would point at
@@ -48,7 +47,7 @@ class ModelConfig:
 
 
 @dataclass
-class MegatronEngineConfig:
+class SFTMegatronConfig:
     """The Megatron engine section (subset needed by the training slice; defaults as in verl)."""
 
     tensor_model_parallel_size: int = 1
@@ -76,7 +75,7 @@ class MegatronEngineConfig:
 
 
 @dataclass
-class OptimConfig:
+class SFTOptimConfig:
     """Optimizer (Adam with decoupled weight decay) and learning-rate schedule."""
 
     lr: float = 1e-3
@@ -103,7 +102,7 @@ class OptimConfig:
 
 
 @dataclass
-class DataConfig:
+class SFTDataConfig:
     """Batch shape. ``train_batch_size`` is global (sequences per optimizer step, all DP ranks)."""
 
     train_batch_size: int = 32
@@ -119,7 +118,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainerConfig:
+class SFTTrainerConfig:
     """Run control."""
 
     total_training_steps: int = 60
@@ -138,11 +137,11 @@ class TrainerConfig:
 class SFTConfig:
     """Entry config of ``verl-engine train``: an SFT run on the Megatron engine."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    megatron: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    megatron: SFTMegatronConfig = field(default_factory=SFTMegatronConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
     def check_world_size(self, world_size: int) -> int:
         """Validate the batch and parallel layout for ``world_size`` processes; return the DP size."""

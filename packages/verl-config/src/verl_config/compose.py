@@ -1,0 +1,251 @@
+"""Compose the PPO trainer config for an engine and load it: defaults <- YAML <- overrides -> typed.
+
+verl composes its config with Hydra defaults lists; we do the same composition directly on
+OmegaConf (no Hydra dependency): :func:`default_tree` starts from the typed schema and, for
+``model_engine=megatron``, swaps in the Megatron role sections and the Megatron-specific defaults
+that verl's unification lost (``rollout.layer_name_map``, ``model.override_config.model_config`` /
+``moe_config``, ``model.use_remove_padding: false``). Every value that differs between the engines
+is set in this one function, and a test pins the full list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from verl_config.errors import ConfigKeyError, ConfigValueError
+from verl_config.loader import KeyHint, apply_override, build_typed, explicit_keys, merge_layer, read_yaml
+from verl_config.lora import (
+    DEFAULT_LORA_ALPHA,
+    LEGACY_FLAT_LORA_ALPHA,
+    flat_target_modules,
+    translate_target_modules,
+)
+from verl_config.notes import defaults_only, warn_once
+from verl_config.overrides import Override, parse_override
+from verl_config.ppo import (
+    MODEL_ENGINES,
+    McoreActorConfig,
+    McoreCriticConfig,
+    McoreRefConfig,
+    TrainerConfig,
+)
+
+__all__ = ["ENTRIES", "default_tree", "load_config", "resolve_entry"]
+
+T = TypeVar("T")
+
+# Entry config names. ppo_megatron_trainer is the deprecated spelling of ppo_trainer + model_engine=megatron.
+ENTRIES: dict[str, str | None] = {"ppo_trainer": None, "ppo_megatron_trainer": "megatron"}
+_ABSENT = object()
+_MODEL_PATHS = ("actor_rollout_ref.model", "critic.model")
+# Keys of the megatron reference section that follow the actor's (same model, same layout).
+_REF_FOLLOWS_ACTOR = (
+    "tensor_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "dynamic_context_parallel",
+    "max_seqlen_per_dp_cp_rank",
+    "use_mbridge",
+    "vanilla_mbridge",
+    "use_remove_padding",
+    "seed",
+    "dtype",
+)
+
+
+def default_tree(model_engine: str) -> DictConfig:
+    """The default PPO config tree of ``model_engine`` (typed nodes, interpolations unresolved)."""
+    if model_engine not in MODEL_ENGINES:
+        raise ConfigValueError("model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {model_engine!r}")
+    with defaults_only():
+        cfg = OmegaConf.structured(TrainerConfig)
+        if model_engine == "megatron":
+            _select_megatron(cfg)
+    cfg.model_engine = model_engine
+    return cfg
+
+
+def _select_megatron(cfg: DictConfig) -> None:
+    """Swap in the Megatron role sections and set every Megatron-specific default."""
+    arr = cfg.actor_rollout_ref
+    arr.actor = OmegaConf.structured(McoreActorConfig)
+    arr.ref = OmegaConf.structured(McoreRefConfig)
+    cfg.critic = OmegaConf.structured(McoreCriticConfig)
+    for model in (arr.model, cfg.critic.model):
+        model.use_remove_padding = False  # verl's megatron default (bshd); the unification flipped it
+        model.override_config = {"model_config": {}, "moe_config": {"freeze_moe_router": False}}
+    arr.rollout.layer_name_map = {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
+    arr.rollout.load_format = "dummy_megatron"
+    arr.ref.megatron.forward_only = True  # the reference policy never trains: no DDP wrapper
+    for key in _REF_FOLLOWS_ACTOR:
+        arr.ref.megatron[key] = f"${{actor_rollout_ref.actor.megatron.{key}}}"
+    for section, prefix in ((arr.actor, "ppo_"), (cfg.critic, "ppo_"), (arr.ref, "log_prob_")):
+        engine = section.megatron
+        engine.use_dynamic_bsz = "${..log_prob_use_dynamic_bsz}" if prefix == "log_prob_" else "${..use_dynamic_bsz}"
+        engine.max_token_len_per_gpu = f"${{..{prefix}max_token_len_per_gpu}}"
+        engine.micro_batch_size_per_gpu = f"${{..{prefix}micro_batch_size_per_gpu}}"
+
+
+def resolve_entry(entry: str, *, yaml_layer: DictConfig | None, overrides: Sequence[Override]) -> str:
+    """The model engine selected by the entry name, the YAML's ``model_engine`` and the overrides."""
+    if entry not in ENTRIES:
+        raise ConfigKeyError(f"unknown entry config {entry!r}; choose one of {', '.join(ENTRIES)}")
+    forced = ENTRIES[entry]
+    if forced is not None:
+        warn_once(
+            f"entry config {entry!r} is deprecated: it means 'ppo_trainer model_engine={forced}'; use that instead"
+        )
+    engine = forced or "fsdp"
+    source = f"entry {entry!r}" if forced else "the default"
+    if yaml_layer is not None and "model_engine" in yaml_layer:
+        engine, source = str(yaml_layer.model_engine), "the config file"
+    for ov in overrides:
+        if ov.key == "model_engine" and ov.kind != "delete":
+            engine, source = str(ov.value), f"override {ov.text!r}"
+    if engine not in MODEL_ENGINES:
+        raise ConfigValueError("model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {engine!r} (from {source})")
+    if forced is not None and engine != forced:
+        raise ConfigValueError(
+            "model_engine",
+            f"is {engine!r} (from {source}) but entry {entry!r} means model_engine={forced}; use entry 'ppo_trainer'"
+            f" with model_engine={engine}",
+        )
+    return engine
+
+
+def _engine_hint(engine: str) -> KeyHint:
+    """Explain keys that exist only under the other engine (e.g. ``actor.megatron`` with fsdp)."""
+    other = next(e for e in MODEL_ENGINES if e != engine)
+
+    def hint(full_key: str) -> str | None:  # only runs on the error path: trees are built lazily
+        current, other_tree = default_tree(engine), default_tree(other)
+        parts = full_key.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if OmegaConf.select(current, prefix, default=_ABSENT) is not _ABSENT:
+                continue
+            if OmegaConf.select(other_tree, prefix, default=_ABSENT) is not _ABSENT:
+                return f"'{prefix}' exists only with model_engine={other} (this config has model_engine={engine})"
+            return None
+        return None
+
+    return hint
+
+
+def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
+    """Move the deprecated flat LoRA keys into the ``lora`` block; translate module names for ``engine``."""
+    for model_path in _MODEL_PATHS:
+        model = OmegaConf.select(cfg, model_path)
+        lora = model.lora
+        flat_given = {k for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules") if model[k] is not None}
+        for flat_key, block_key in (
+            ("lora_rank", "rank"),
+            ("lora_alpha", "alpha"),
+            ("target_modules", "target_modules"),
+            ("exclude_modules", "exclude_modules"),
+        ):
+            if flat_key not in flat_given:
+                continue
+            flat_value: Any = model[flat_key]
+            if block_key in ("target_modules", "exclude_modules"):
+                flat_value = flat_target_modules(flat_value)
+            block_full = f"{model_path}.lora.{block_key}"
+            block_explicit = any(k == block_full or k.startswith(block_full + ".") for k in explicit)
+            if block_explicit and _lora_value(lora[block_key], block_key, engine) != _lora_value(flat_value, block_key, engine):
+                raise ConfigValueError(
+                    f"{model_path}.{flat_key}",
+                    f"is {_show(model[flat_key])} but {block_full} is {_show(lora[block_key])}: two spellings of one"
+                    f" setting with different values; keep {block_full} only (the flat key is deprecated)",
+                )
+            warn_once(
+                f"{model_path}.{flat_key} is deprecated; write {block_full} (the structured lora block is canonical)"
+            )
+            lora[block_key] = flat_value
+            model[flat_key] = None
+        alpha_full = f"{model_path}.lora.alpha"
+        if "lora_rank" in flat_given and "lora_alpha" not in flat_given and alpha_full not in explicit:
+            warn_once(
+                f"{model_path}.lora_rank is set without lora_alpha: alpha is now {DEFAULT_LORA_ALPHA} for every"
+                f" spelling (the flat keys used to default to {LEGACY_FLAT_LORA_ALPHA}); set {alpha_full}="
+                f"{LEGACY_FLAT_LORA_ALPHA} to keep the old scaling"
+            )
+        for block_key in ("target_modules", "exclude_modules"):
+            try:
+                lora[block_key] = translate_target_modules(list(lora[block_key]), engine=engine, key=block_key)
+            except ConfigValueError as err:
+                raise err.with_prefix(f"{model_path}.lora") from None
+
+
+def _lora_value(value: Any, key: str, engine: str) -> Any:
+    if key in ("target_modules", "exclude_modules"):
+        return translate_target_modules(list(value), engine=engine, key=key)
+    return value
+
+
+def _show(value: Any) -> str:
+    return repr(OmegaConf.to_container(value) if isinstance(value, DictConfig) or OmegaConf.is_list(value) else value)
+
+
+def _migrate_grad_clip(cfg: DictConfig, *, explicit: set[str]) -> None:
+    """verl's FSDP ``grad_clip`` is the legacy spelling of ``optim.clip_grad``."""
+    for role_path in ("actor_rollout_ref.actor", "critic"):
+        role = OmegaConf.select(cfg, role_path)
+        if "grad_clip" not in role or role.grad_clip is None:
+            continue
+        canonical = f"{role_path}.optim.clip_grad"
+        if canonical in explicit and role.optim.clip_grad != role.grad_clip:
+            raise ConfigValueError(
+                f"{role_path}.grad_clip",
+                f"is {role.grad_clip} but {canonical} is {role.optim.clip_grad}: two spellings of one setting;"
+                f" keep {canonical} only",
+            )
+        warn_once(f"{role_path}.grad_clip is deprecated; write {canonical}")
+        role.optim.clip_grad = role.grad_clip
+        role.grad_clip = None
+
+
+def load_config(
+    entry: str | type[T] = "ppo_trainer",
+    *,
+    yaml_path: str | Path | None = None,
+    yaml_text: str | None = None,
+    overrides: Sequence[str] = (),
+) -> Any:
+    """Load, validate and type a config: defaults <- YAML (file or text) <- command-line overrides.
+
+    ``entry`` is an entry config name (``ppo_trainer``; ``ppo_megatron_trainer`` is the deprecated
+    alias of ``ppo_trainer model_engine=megatron``) and gives a :class:`TrainerConfig`, or any
+    config dataclass (e.g. ``SFTConfig``) to load that schema instead. Raises ConfigKeyError
+    (unknown key, with the closest valid one), ConfigTypeError (value of the wrong type) or
+    ConfigValueError (a rule, naming every key involved). Notes about adjusted values are on the
+    result, see :func:`verl_config.config_notes`.
+    """
+    parsed = [parse_override(o) for o in overrides]
+    layer = read_yaml(yaml_path=yaml_path, yaml_text=yaml_text)
+    if isinstance(entry, str):
+        engine = resolve_entry(entry, yaml_layer=layer[1] if layer else None, overrides=parsed)
+        cfg = default_tree(engine)
+        hint: KeyHint | None = _engine_hint(engine)
+    else:
+        engine = None
+        cfg = OmegaConf.structured(entry)
+        hint = None
+    if layer is not None:
+        cfg = merge_layer(cfg, layer[1], origin=layer[0], hint=hint)
+    for ov in parsed:
+        apply_override(cfg, ov, hint=hint)
+    if engine is not None:
+        explicit = explicit_keys(layer[1] if layer else None, parsed)
+        _migrate_lora(cfg, engine=engine, explicit=explicit)
+        _migrate_grad_clip(cfg, explicit=explicit)
+    config, notes = build_typed(cfg, hint=hint)
+    object.__setattr__(config, "_verl_config_notes", notes)
+    return config

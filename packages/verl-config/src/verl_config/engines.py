@@ -1,0 +1,333 @@
+"""Engine sections (``fsdp_config`` / ``megatron``) and their optimizer sections.
+
+Defaults are verl's (verl-features.md, section 5), so a verl command line means the same here.
+Each section validates itself and converts to the plain keyword arguments the lower layers take
+(:meth:`McoreEngineConfig.wrap_config_kwargs` for verl-mcore-utils' WrapConfig, ...), so no trainer
+has to re-derive them and forget one (verl's ``use_distributed_optimizer`` bug, PR #5775).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_config.errors import ConfigValueError
+from verl_config.notes import adjusting, note
+from verl_config.validation import check_choice, check_positive
+
+__all__ = [
+    "DTYPES",
+    "MEGATRON_FSDP_SHARDING_STRATEGIES",
+    "FSDPEngineConfig",
+    "FSDPOptimConfig",
+    "McoreEngineConfig",
+    "McoreOptimConfig",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+MEGATRON_FSDP_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_RECOMPUTE_GRANULARITY = (None, "full", "selective")
+_RECOMPUTE_METHOD = (None, "uniform", "block")
+_ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+
+def _default_override_transformer_config() -> dict[str, Any]:
+    return {
+        "recompute_granularity": None,
+        "recompute_modules": ["core_attn"],
+        "recompute_method": None,
+        "recompute_num_layers": None,
+        "attention_backend": "flash",
+    }
+
+
+@dataclass
+class McoreEngineConfig:
+    """The Megatron engine section (``actor_rollout_ref.actor.megatron``, ``critic.megatron``, ...).
+
+    Every key of verl's section with verl's defaults, plus Megatron-FSDP and dynamic context
+    parallelism. ``use_dynamic_bsz``, ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``
+    follow the role's own keys inside the PPO config (interpolations); setting them to a different
+    value than the role's is an error rather than a silent tie-break.
+    """
+
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = True
+    use_distributed_optimizer: bool = True
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+    dynamic_context_parallel: bool = False
+    max_seqlen_per_dp_cp_rank: int | None = None
+    seed: int = 42
+    override_ddp_config: dict[str, Any] = field(default_factory=dict)
+    override_transformer_config: dict[str, Any] = field(default_factory=_default_override_transformer_config)
+    override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
+    use_mbridge: bool = True
+    vanilla_mbridge: bool = True
+    use_remove_padding: bool = True
+    forward_only: bool = False
+    dtype: str = "bfloat16"
+    use_megatron_fsdp: bool = False
+    use_dynamic_bsz: bool = True
+    max_token_len_per_gpu: int | None = None
+    micro_batch_size_per_gpu: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            check_positive(key, getattr(self, key))
+        check_positive("expert_model_parallel_size", self.expert_model_parallel_size)
+        for key in ("expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size", "micro_batch_size_per_gpu"):
+            if getattr(self, key) is not None:
+                check_positive(key, getattr(self, key))
+        if self.max_token_len_per_gpu is not None:
+            check_positive("max_token_len_per_gpu", self.max_token_len_per_gpu)
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.virtual_pipeline_model_parallel_size is not None and self.pipeline_model_parallel_size == 1:
+            raise ConfigValueError(
+                "virtual_pipeline_model_parallel_size",
+                f"is {self.virtual_pipeline_model_parallel_size} but pipeline_model_parallel_size is 1;"
+                " virtual (interleaved) pipeline stages need pipeline_model_parallel_size > 1, or set it to null",
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1 and adjusting():
+            self.sequence_parallel = False
+            note("sequence_parallel", "forced to false because tensor_model_parallel_size is 1 (it only splits TP work)")
+        self._check_dynamic_cp()
+        self._check_megatron_fsdp()
+        if self.use_dist_checkpointing and not self.dist_checkpointing_path:
+            raise ConfigValueError(
+                "dist_checkpointing_path",
+                "is null but use_dist_checkpointing is true; point it at the megatron dist checkpoint to load"
+                " or set use_dist_checkpointing=false",
+            )
+        tc = self.override_transformer_config
+        for key, allowed in (
+            ("recompute_granularity", _RECOMPUTE_GRANULARITY),
+            ("recompute_method", _RECOMPUTE_METHOD),
+            ("attention_backend", _ATTENTION_BACKENDS),
+        ):
+            if key in tc:
+                check_choice(f"override_transformer_config.{key}", tc[key], allowed)
+        if tc.get("recompute_method") is not None and tc.get("recompute_granularity") != "full":
+            raise ConfigValueError(
+                "override_transformer_config.recompute_method",
+                f"is {tc['recompute_method']!r} but recompute_granularity is {tc.get('recompute_granularity')!r};"
+                " recompute_method only applies to recompute_granularity=full",
+            )
+
+    def _check_dynamic_cp(self) -> None:
+        if self.dynamic_context_parallel:
+            if self.max_seqlen_per_dp_cp_rank is None:
+                raise ConfigValueError(
+                    "max_seqlen_per_dp_cp_rank",
+                    "is null but dynamic_context_parallel is true; set the most tokens one rank may hold"
+                    " (the CP size per micro-batch is chosen from it), e.g. max_seqlen_per_dp_cp_rank=4096",
+                )
+            check_positive("max_seqlen_per_dp_cp_rank", self.max_seqlen_per_dp_cp_rank)
+            if not self.use_remove_padding:
+                raise ConfigValueError(
+                    "use_remove_padding",
+                    "is false but dynamic_context_parallel is true; dynamic CP works on packed (THD) sequences,"
+                    " set use_remove_padding=true",
+                )
+        elif self.max_seqlen_per_dp_cp_rank is not None and adjusting():
+            note(
+                "max_seqlen_per_dp_cp_rank",
+                f"{self.max_seqlen_per_dp_cp_rank} has no effect because dynamic_context_parallel is false",
+            )
+
+    def _check_megatron_fsdp(self) -> None:
+        strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
+        if strategy is not None:
+            check_choice(
+                "override_ddp_config.data_parallel_sharding_strategy", strategy, MEGATRON_FSDP_SHARDING_STRATEGIES
+            )
+        if not self.use_megatron_fsdp:
+            return
+        if not self.use_distributed_optimizer or self.override_ddp_config.get("use_distributed_optimizer") is False:
+            key = "use_distributed_optimizer" if not self.use_distributed_optimizer else "override_ddp_config.use_distributed_optimizer"
+            raise ConfigValueError(
+                key,
+                "is false but use_megatron_fsdp is true; Megatron-FSDP shards the optimizer state, so it requires"
+                " the distributed optimizer: remove the setting or set use_megatron_fsdp=false",
+            )
+        if self.pipeline_model_parallel_size > 1 or self.virtual_pipeline_model_parallel_size is not None:
+            raise ConfigValueError(
+                "pipeline_model_parallel_size",
+                f"is {self.pipeline_model_parallel_size} but use_megatron_fsdp is true; Megatron-FSDP does not support"
+                " pipeline parallelism: set pipeline_model_parallel_size=1 (and virtual_pipeline_model_parallel_size=null)",
+            )
+
+    @property
+    def construction_path(self) -> str:
+        """Which model-construction path the flags select: ``plain``, ``mbridge`` or ``provider``."""
+        if not self.use_mbridge:
+            return "plain"
+        return "mbridge" if self.vanilla_mbridge else "provider"
+
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans: TP x PP x CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def parallel_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for megatron-core's ``parallel_state.initialize_model_parallel``."""
+        return {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+        }
+
+    def wrap_config_kwargs(
+        self, *, is_value_model: bool = False, share_embeddings_and_output_weights: bool = False
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``verl_mcore_utils.WrapConfig`` (no DDP wrapper when forward_only)."""
+        return {
+            "is_value_model": is_value_model,
+            "share_embeddings_and_output_weights": share_embeddings_and_output_weights,
+            "wrap_with_ddp": not self.forward_only,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+            "use_megatron_fsdp": self.use_megatron_fsdp,
+        }
+
+    def transformer_config_overrides(self) -> dict[str, Any]:
+        """TransformerConfig fields this section sets: parallel sizes, sequence_parallel, then the overrides.
+
+        ``attention_backend`` stays a string (this package has no megatron import); verl-mcore-utils
+        converts it to megatron-core's enum.
+        """
+        fields: dict[str, Any] = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "sequence_parallel": self.sequence_parallel,
+        }
+        if self.expert_tensor_parallel_size is not None:
+            fields["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size
+        if self.virtual_pipeline_model_parallel_size is not None:
+            fields["virtual_pipeline_model_parallel_size"] = self.virtual_pipeline_model_parallel_size
+        fields.update(self.override_transformer_config)
+        return fields
+
+    def ddp_config_overrides(self) -> dict[str, Any]:
+        """The user's ``override_ddp_config`` (verl-mcore-utils' build_ddp_config applies the precedence)."""
+        return dict(self.override_ddp_config)
+
+
+@dataclass
+class FSDPEngineConfig:
+    """The FSDP engine section (``actor_rollout_ref.actor.fsdp_config``, ``critic.model.fsdp_config`` ...)."""
+
+    wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    forward_prefetch: bool = False
+    strategy: str = "fsdp"
+    model_dtype: str = "fp32"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        check_choice("strategy", self.strategy, ("fsdp", "fsdp2"))
+        if self.fsdp_size != -1:
+            check_positive("fsdp_size", self.fsdp_size)
+        check_choice("model_dtype", self.model_dtype, ("fp32", "bf16", "fp16", *DTYPES))
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.offload_policy and self.strategy != "fsdp2":
+            raise ConfigValueError("offload_policy", "needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy); set strategy=fsdp2")
+
+
+def _check_optim_common(cfg: Any) -> None:
+    check_positive("lr", cfg.lr)
+    check_positive("weight_decay", cfg.weight_decay, allow_zero=True)
+    check_positive("clip_grad", cfg.clip_grad)
+    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
+        raise ConfigValueError("betas", f"must be two numbers in [0, 1); got {list(cfg.betas)}")
+    if not 0.0 <= cfg.lr_warmup_steps_ratio <= 1.0:
+        raise ConfigValueError("lr_warmup_steps_ratio", f"must be in [0, 1]; got {cfg.lr_warmup_steps_ratio}")
+    if cfg.lr_warmup_steps < -1:
+        raise ConfigValueError("lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}")
+
+
+@dataclass
+class FSDPOptimConfig:
+    """AdamW + warm-up / cosine schedule of the FSDP engine (verl's keys and defaults)."""
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    warmup_style: str = "constant"
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    clip_grad: float = 1.0
+    total_training_steps: int = -1
+
+    def __post_init__(self) -> None:
+        _check_optim_common(self)
+        check_choice("warmup_style", self.warmup_style, ("constant", "cosine"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigValueError("min_lr_ratio", f"must be in [0, 1]; got {self.min_lr_ratio}")
+
+
+@dataclass
+class McoreOptimConfig:
+    """megatron-core optimizer + OptimizerParamScheduler settings (verl's megatron keys and defaults)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_warmup_init: float = 0.0
+    lr_decay_steps: int | None = None
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    weight_decay_incr_style: str = "constant"
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_steps: int | None = None
+    use_checkpoint_opt_param_scheduler: bool = False
+    clip_grad: float = 1.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    total_training_steps: int = -1
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_optim_common(self)
+        check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        check_choice("lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+        check_choice("weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine"))
+        check_positive("min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigValueError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
+
+    def optimizer_config_kwargs(self, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
+        """Keyword arguments for megatron-core's ``OptimizerConfig`` (override_optimizer_config last)."""
+        kwargs: dict[str, Any] = {
+            "optimizer": self.optimizer,
+            "lr": self.lr,
+            "min_lr": self.min_lr,
+            "weight_decay": self.weight_decay,
+            "adam_beta1": self.betas[0],
+            "adam_beta2": self.betas[1],
+            "clip_grad": self.clip_grad,
+            "bf16": dtype == "bfloat16",
+            "fp16": dtype == "float16",
+            "params_dtype": dtype,
+            "use_distributed_optimizer": use_distributed_optimizer,
+        }
+        kwargs.update(self.override_optimizer_config)
+        return kwargs
