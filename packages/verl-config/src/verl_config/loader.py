@@ -151,7 +151,9 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
         with open_dict(parent):
             del parent[leaf]
         return
-    if ov.kind == "add" and exists:
+    # verl's documented command lines add keys such as override_transformer_config.recompute_method with
+    # '+' although its default (null) is present: accept '+' on a null placeholder of an open dict.
+    if ov.kind == "add" and exists and not (not closed and parent[leaf] is None):
         raise ConfigKeyError(
             f"override {ov.text!r}: '{ov.key}' already exists; use {ov.key}=VALUE to change it (or ++{ov.key}=VALUE)"
         )

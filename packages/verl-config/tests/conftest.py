@@ -1,0 +1,21 @@
+"""Shared fixtures of the verl-config tests."""
+
+from __future__ import annotations
+
+import pytest
+
+import verl_config.notes
+
+# The micro-batch keys verl requires a user to set (null by default); most tests set them all.
+MICRO_BATCHES = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once() -> None:
+    """Deprecations warn once per process; each test starts with none seen."""
+    verl_config.notes._WARNED.clear()

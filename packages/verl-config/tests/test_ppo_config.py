@@ -1,0 +1,370 @@
+"""The unified ppo_trainer config: defaults, engine composition, pinned engine differences, validation rules."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+from conftest import MICRO_BATCHES
+from omegaconf import OmegaConf
+
+from verl_config import (
+    ConfigKeyError,
+    ConfigTypeError,
+    ConfigValueError,
+    FSDPActorConfig,
+    FSDPCriticConfig,
+    FSDPRefConfig,
+    McoreActorConfig,
+    McoreCriticConfig,
+    McoreEngineConfig,
+    McoreRefConfig,
+    TrainerConfig,
+    config_notes,
+    default_tree,
+    engine_differences,
+    load_config,
+)
+
+MEGATRON = ["model_engine=megatron", *MICRO_BATCHES]
+A = "actor_rollout_ref.actor"
+AM = f"{A}.megatron"
+
+
+def _load(*overrides: str, engine: str = "megatron", **kwargs: Any) -> TrainerConfig:
+    return load_config(overrides=[f"model_engine={engine}", *MICRO_BATCHES, *overrides], **kwargs)
+
+
+# ------------------------------------------------------------------------------------ defaults
+def test_engine_selects_typed_role_sections() -> None:
+    fsdp = _load(engine="fsdp")
+    assert isinstance(fsdp, TrainerConfig) and fsdp.model_engine == "fsdp"
+    assert isinstance(fsdp.actor_rollout_ref.actor, FSDPActorConfig)
+    assert isinstance(fsdp.actor_rollout_ref.ref, FSDPRefConfig)
+    assert isinstance(fsdp.critic, FSDPCriticConfig)
+    meg = _load()
+    assert isinstance(meg.actor_rollout_ref.actor, McoreActorConfig)
+    assert isinstance(meg.actor_rollout_ref.ref, McoreRefConfig)
+    assert isinstance(meg.critic, McoreCriticConfig)
+    assert isinstance(meg.actor_rollout_ref.actor.megatron, McoreEngineConfig)
+
+
+def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
+    """verl-features.md section 5, key for key (sequence_parallel: default true, forced off at TP 1)."""
+    expected = {
+        "param_offload": False,
+        "grad_offload": False,
+        "optimizer_offload": False,
+        "tensor_model_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": 1,
+        "sequence_parallel": True,
+        "use_distributed_optimizer": True,
+        "use_dist_checkpointing": False,
+        "dist_checkpointing_path": None,
+        "dynamic_context_parallel": False,
+        "max_seqlen_per_dp_cp_rank": None,
+        "seed": 42,
+        "override_ddp_config": {},
+        "override_transformer_config": {
+            "recompute_granularity": None,
+            "recompute_modules": ["core_attn"],
+            "recompute_method": None,
+            "recompute_num_layers": None,
+            "attention_backend": "flash",
+        },
+        "override_mcore_model_config": {},
+        "use_mbridge": True,
+        "vanilla_mbridge": True,
+        "use_remove_padding": True,
+        "forward_only": False,
+        "dtype": "bfloat16",
+        "use_megatron_fsdp": False,
+        # in the PPO tree these three follow the role's keys (interpolations, see below)
+        "use_dynamic_bsz": "${..use_dynamic_bsz}",
+        "max_token_len_per_gpu": "${..ppo_max_token_len_per_gpu}",
+        "micro_batch_size_per_gpu": "${..ppo_micro_batch_size_per_gpu}",
+    }
+    tree = OmegaConf.to_container(default_tree("megatron"), resolve=False)
+    assert tree["actor_rollout_ref"]["actor"]["megatron"] == expected
+    assert tree["critic"]["megatron"] == expected
+    standalone = McoreEngineConfig()
+    assert (standalone.use_dynamic_bsz, standalone.max_token_len_per_gpu, standalone.micro_batch_size_per_gpu) == (
+        True,
+        None,
+        None,
+    )
+    # resolved: the tie gives the role's value; sequence_parallel forced off with a note
+    cfg = _load()
+    eng = cfg.actor_rollout_ref.actor.megatron
+    assert eng.micro_batch_size_per_gpu == 4 and eng.use_dynamic_bsz is False and eng.max_token_len_per_gpu == 16384
+    assert eng.sequence_parallel is False
+    assert f"{AM}.sequence_parallel: forced to false because tensor_model_parallel_size is 1" in " ".join(
+        config_notes(cfg)
+    )
+    assert _load(f"{AM}.tensor_model_parallel_size=2").actor_rollout_ref.actor.megatron.sequence_parallel is True
+
+
+def test_reference_section_follows_the_actor_layout_and_never_trains() -> None:
+    cfg = _load(f"{AM}.tensor_model_parallel_size=2", f"{AM}.pipeline_model_parallel_size=2", f"{AM}.seed=7")
+    ref = cfg.actor_rollout_ref.ref.megatron
+    assert (ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.seed) == (2, 2, 7)
+    assert ref.forward_only is True
+    assert ref.wrap_config_kwargs()["wrap_with_ddp"] is False
+    assert cfg.actor_rollout_ref.actor.megatron.wrap_config_kwargs()["wrap_with_ddp"] is True
+
+
+def test_other_section_defaults() -> None:
+    cfg = _load(engine="fsdp")
+    assert cfg.data.train_batch_size == 1024 and cfg.data.max_prompt_length == 512
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 512  # interpolated from data
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
+    assert cfg.critic.model.path == cfg.actor_rollout_ref.model.path
+    assert cfg.critic.ppo_mini_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.algorithm.kl_ctrl.kl_coef == 0.001
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    assert cfg.trainer.world_size == 8
+    assert cfg.actor_rollout_ref.model.lora.rank == 0 and cfg.actor_rollout_ref.model.lora.alpha == 32
+    assert cfg.reward_model.strategy == "fsdp"
+
+
+# ------------------------------------------------------------------------- engine differences
+_SHARED_DIFFERENCES = {
+    "model_engine": ("fsdp", "megatron"),
+    f"{A}.strategy": ("fsdp", "megatron"),
+    "actor_rollout_ref.ref.strategy": ("fsdp", "megatron"),
+    "critic.strategy": ("fsdp", "megatron"),
+    "actor_rollout_ref.model.use_remove_padding": (True, False),
+    "critic.model.use_remove_padding": (True, False),
+    "actor_rollout_ref.model.override_config": ({}, {"model_config": {}, "moe_config": {"freeze_moe_router": False}}),
+    "critic.model.override_config": ({}, {"model_config": {}, "moe_config": {"freeze_moe_router": False}}),
+    "actor_rollout_ref.rollout.layer_name_map": (None, {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}),
+    "actor_rollout_ref.rollout.load_format": ("dummy_dtensor", "dummy_megatron"),
+}
+_FSDP_ONLY = {
+    A: {"fsdp_config", "ulysses_sequence_parallel_size", "use_torch_compile", "grad_clip"},
+    "actor_rollout_ref.ref": {"fsdp_config", "ulysses_sequence_parallel_size"},
+    "critic": {"fsdp_config", "ulysses_sequence_parallel_size", "grad_clip"},
+    f"{A}.optim": {"min_lr_ratio", "num_cycles", "warmup_style"},
+    "critic.optim": {"min_lr_ratio", "num_cycles", "warmup_style"},
+}
+_MCORE_OPTIM_ONLY = {
+    "optimizer",
+    "lr_warmup_init",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "min_lr",
+    "weight_decay_incr_style",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_steps",
+    "use_checkpoint_opt_param_scheduler",
+    "override_optimizer_config",
+}
+_MEGATRON_ONLY = {
+    A: {"megatron", "load_weight", "data_loader_seed"},
+    "actor_rollout_ref.ref": {"megatron", "load_weight"},
+    "critic": {"megatron", "load_weight", "data_loader_seed"},
+    f"{A}.optim": _MCORE_OPTIM_ONLY,
+    "critic.optim": _MCORE_OPTIM_ONLY,
+}
+
+
+def test_every_engine_difference_is_pinned() -> None:
+    """Any change to an engine default must show up here (and in the generated configs)."""
+    trees = {e: OmegaConf.to_container(default_tree(e), resolve=False) for e in ("fsdp", "megatron")}
+
+    def node(tree: dict, path: str) -> Any:
+        for part in path.split("."):
+            tree = tree[part]
+        return tree
+
+    for path, keys in _FSDP_ONLY.items():
+        assert set(node(trees["fsdp"], path)) - set(node(trees["megatron"], path)) == keys, path
+    for path, keys in _MEGATRON_ONLY.items():
+        assert set(node(trees["megatron"], path)) - set(node(trees["fsdp"], path)) == keys, path
+    for path, (fsdp_value, megatron_value) in _SHARED_DIFFERENCES.items():
+        assert (node(trees["fsdp"], path), node(trees["megatron"], path)) == (fsdp_value, megatron_value), path
+    # ... and nothing else differs: every key of engine_differences() is covered by the lists above.
+    only = [f"{p}.{k}" for table in (_FSDP_ONLY, _MEGATRON_ONLY) for p, ks in table.items() for k in ks]
+    for key in engine_differences():
+        covered = any(key == p or key.startswith(p + ".") for p in [*only, *_SHARED_DIFFERENCES])
+        assert covered, f"unpinned engine difference: {key}"
+
+
+def test_nothing_lost_when_selecting_megatron() -> None:
+    cfg = _load("+actor_rollout_ref.model.override_config.model_config.max_position_embeddings=8192")
+    arr = cfg.actor_rollout_ref
+    assert arr.rollout.layer_name_map == {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
+    assert arr.model.override_config["moe_config"] == {"freeze_moe_router": False}
+    assert arr.model.override_config["model_config"] == {"max_position_embeddings": 8192}
+    assert arr.model.use_remove_padding is False
+
+
+# ------------------------------------------------------------------------------- entry / alias
+def test_deprecated_alias_means_megatron_and_warns_once() -> None:
+    with pytest.warns(FutureWarning, match="'ppo_megatron_trainer' is deprecated"):
+        cfg = load_config("ppo_megatron_trainer", overrides=MICRO_BATCHES)
+    assert cfg.model_engine == "megatron"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config("ppo_megatron_trainer", overrides=MICRO_BATCHES)
+    assert not [w for w in caught if "ppo_megatron_trainer" in str(w.message)]
+    reference = OmegaConf.to_container(OmegaConf.structured(_load()))
+    assert OmegaConf.to_container(OmegaConf.structured(cfg)) == reference
+    with pytest.raises(ConfigValueError, match="entry 'ppo_megatron_trainer' means model_engine=megatron"):
+        load_config("ppo_megatron_trainer", overrides=["model_engine=fsdp"])
+    with pytest.raises(ConfigKeyError, match="unknown entry config 'ppo_trainerr'"):
+        load_config("ppo_trainerr")
+
+
+def test_yaml_selects_engine_and_layers_under_overrides(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model_engine: megatron\nactor_rollout_ref:\n  actor:\n    megatron:\n      tensor_model_parallel_size: 2\n"
+        "    optim:\n      lr: 3.0e-6\n"
+    )
+    cfg = load_config(yaml_path=path, overrides=[*MICRO_BATCHES, f"{A}.optim.lr=5e-6"])
+    assert cfg.model_engine == "megatron"
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.actor.optim.lr == 5e-6
+    path.write_text("actor_rollout_ref:\n  actor:\n    megatron:\n      tensor_model_parallel_sise: 2\n")
+    with pytest.raises(ConfigKeyError, match="exists only with model_engine=megatron"):
+        load_config(yaml_path=path, overrides=MICRO_BATCHES)
+    with pytest.raises(ConfigKeyError, match=f"did you mean '{AM}.tensor_model_parallel_size'"):
+        load_config(yaml_path=path, overrides=["model_engine=megatron", *MICRO_BATCHES])
+
+
+def test_unknown_and_mistyped_keys() -> None:
+    with pytest.raises(ConfigKeyError, match=r"'actor_rollout_ref.actor.megatron' exists only with model_engine=megatron"):
+        _load(f"{AM}.tensor_model_parallel_size=2", engine="fsdp")
+    with pytest.raises(ConfigKeyError, match=r"did you mean 'actor_rollout_ref.rollout'"):
+        _load("actor_rollout_ref.rollot.n=2")
+    with pytest.raises(ConfigTypeError, match=r"actor_rollout_ref.rollout.n.*'many'"):
+        _load("actor_rollout_ref.rollout.n=many")
+
+
+# ----------------------------------------------------------------------------- validation rules
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            [f"{AM}.dynamic_context_parallel=true"],
+            rf"{AM}.max_seqlen_per_dp_cp_rank: is null but dynamic_context_parallel is true",
+        ),
+        (
+            [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=4096", f"{AM}.use_remove_padding=false"],
+            rf"{AM}.use_remove_padding: is false but dynamic_context_parallel is true",
+        ),
+        (
+            [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=4096"],
+            r"actor_rollout_ref.model.use_remove_padding: is false but .*dynamic_context_parallel is true",
+        ),
+        (
+            [f"{AM}.use_megatron_fsdp=true", f"{AM}.use_distributed_optimizer=false"],
+            rf"{AM}.use_distributed_optimizer: is false but use_megatron_fsdp is true",
+        ),
+        (
+            [f"{AM}.use_megatron_fsdp=true", f"{AM}.override_ddp_config.use_distributed_optimizer=false"],
+            rf"{AM}.override_ddp_config.use_distributed_optimizer: is false but use_megatron_fsdp",
+        ),
+        (
+            [f"{AM}.use_megatron_fsdp=true", f"{AM}.pipeline_model_parallel_size=2"],
+            rf"{AM}.pipeline_model_parallel_size: is 2 but use_megatron_fsdp is true",
+        ),
+        (
+            [f"{AM}.override_ddp_config.data_parallel_sharding_strategy=zero3"],
+            r"data_parallel_sharding_strategy: must be one of 'no_shard', 'optim', 'optim_grads', 'optim_grads_params'",
+        ),
+        (
+            [f"{AM}.tensor_model_parallel_size=3"],
+            rf"{AM}: world size 8 is not divisible by tensor_model_parallel_size \(3\)",
+        ),
+        (
+            [f"{AM}.expert_model_parallel_size=16"],
+            rf"{AM}.expert_model_parallel_size: world size 8 is not divisible by",
+        ),
+        ([f"{AM}.virtual_pipeline_model_parallel_size=2"], r"virtual .*need pipeline_model_parallel_size > 1"),
+        (
+            [f"{AM}.override_transformer_config.recompute_method=uniform"],
+            r"recompute_method only applies to recompute_granularity=full",
+        ),
+        ([f"{AM}.use_dist_checkpointing=true"], rf"{AM}.dist_checkpointing_path: is null"),
+        (
+            [f"{A}.ppo_mini_batch_size=64", f"{A}.ppo_micro_batch_size_per_gpu=3"],
+            rf"{A}.ppo_micro_batch_size_per_gpu: \(3\) does not divide the mini-batch per data-parallel rank: .* = 64 / 8 = 8",
+        ),
+        ([f"{A}.ppo_mini_batch_size=4"], r"= 4 sequences is not divisible by the data-parallel size 8"),
+        ([f"{A}.ppo_micro_batch_size=32"], rf"{A}.ppo_micro_batch_size: and {A}.ppo_micro_batch_size_per_gpu are both set"),
+        (
+            [f"{A}.ppo_micro_batch_size_per_gpu=null"],
+            rf"{A}.ppo_micro_batch_size_per_gpu: is null and {A}.use_dynamic_bsz is false",
+        ),
+        ([f"{A}.ppo_mini_batch_size=2048"], r"larger than data.train_batch_size \(1024\)"),
+        ([f"{A}.strategy=fsdp"], rf"{A}.strategy: is 'fsdp' but model_engine is 'megatron'"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"rollout.tensor_model_parallel_size: \(3\) does not divide"),
+        (
+            [f"{A}.use_dynamic_bsz=true", f"{A}.ppo_max_token_len_per_gpu=512"],
+            r"ppo_max_token_len_per_gpu: \(512\) is smaller than one sequence .* = 1024",
+        ),
+        ([f"{AM}.use_dynamic_bsz=true"], rf"{AM}.use_dynamic_bsz: is True but {A}.use_dynamic_bsz is False; .*set {A}.use_dynamic_bsz only"),
+        (["algorithm.adv_estimator=grpo"], r"rollout.n: is 1 but algorithm.adv_estimator=grpo"),
+        ([f"{AM}.tensor_model_parallel_size=0"], rf"{AM}.tensor_model_parallel_size: must be > 0, got 0"),
+        (["trainer.resume_mode=resume_path"], r"trainer.resume_from_path: is null but resume_mode"),
+    ],
+)
+def test_validation_rules_name_the_keys(overrides: list[str], pattern: str) -> None:
+    with pytest.raises(ConfigValueError, match=pattern):
+        _load(*overrides)
+
+
+def test_deprecated_global_micro_batch_is_converted_with_a_note() -> None:
+    cfg = _load(f"{A}.ppo_micro_batch_size_per_gpu=null", f"{A}.ppo_micro_batch_size=32")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    assert cfg.actor_rollout_ref.actor.megatron.micro_batch_size_per_gpu == 4
+    assert any("set to 4 from the deprecated" in n for n in config_notes(cfg))
+
+
+def test_valid_layouts() -> None:
+    cfg = _load(
+        f"{AM}.tensor_model_parallel_size=2",
+        f"{AM}.pipeline_model_parallel_size=2",
+        f"{AM}.context_parallel_size=2",
+        "trainer.nnodes=2",
+        f"{A}.ppo_mini_batch_size=64",
+        f"{A}.ppo_micro_batch_size_per_gpu=2",
+    )
+    assert cfg.actor_rollout_ref.actor.megatron.model_parallel_size() == 8  # DP = 16 / 8 = 2, 64/2=32 per rank
+    cfg = _load(f"{AM}.use_megatron_fsdp=true", f"{AM}.override_ddp_config.data_parallel_sharding_strategy=optim_grads")
+    assert cfg.actor_rollout_ref.actor.megatron.use_megatron_fsdp is True
+
+
+# ---------------------------------------------------------------------------- conversions
+def test_conversions_to_lower_layer_kwargs() -> None:
+    cfg = _load(
+        f"{AM}.use_distributed_optimizer=false",
+        f"{AM}.tensor_model_parallel_size=2",
+        f"{AM}.override_ddp_config.bucket_size=1000",
+        f"{A}.optim.lr=2e-6",
+    )
+    eng = cfg.actor_rollout_ref.actor.megatron
+    assert eng.wrap_config_kwargs(is_value_model=False) == {
+        "is_value_model": False,
+        "share_embeddings_and_output_weights": False,
+        "wrap_with_ddp": True,
+        "use_distributed_optimizer": False,
+        "use_megatron_fsdp": False,
+    }
+    assert eng.ddp_config_overrides() == {"bucket_size": 1000}
+    tf = eng.transformer_config_overrides()
+    assert tf["tensor_model_parallel_size"] == 2 and tf["sequence_parallel"] is True and tf["recompute_modules"] == ["core_attn"]
+    assert eng.parallel_kwargs()["tensor_model_parallel_size"] == 2
+    assert eng.construction_path == "mbridge"
+    assert _load(f"{AM}.vanilla_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "provider"
+    assert _load(f"{AM}.use_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "plain"
+    opt = cfg.actor_rollout_ref.actor.optim.optimizer_config_kwargs(dtype=eng.dtype, use_distributed_optimizer=False)
+    assert opt["lr"] == 2e-6 and opt["bf16"] is True and opt["use_distributed_optimizer"] is False
+    assert (opt["adam_beta1"], opt["adam_beta2"]) == (0.9, 0.999)
