@@ -62,6 +62,7 @@ def config(session: nox.Session) -> None:
     session.run(
         "python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     )
+    session.run("verl-config", "generate", "--check")  # fails when the checked-in reference configs are stale
     _pytest(session, "packages/verl-config/tests", "verl-config")
 
 

@@ -11,8 +11,8 @@ from verl_config import (
     ConfigKeyError,
     ConfigTypeError,
     ConfigValueError,
-    SFTMegatronConfig,
     SFTConfig,
+    SFTMegatronConfig,
     check_parallel_layout,
     load_config,
 )
@@ -62,7 +62,10 @@ def test_unknown_key_names_full_path_and_suggests() -> None:
 
 
 def test_unknown_top_level_section() -> None:
-    with pytest.raises(ConfigKeyError, match=r"unknown config key 'optimm.lr' \('optimm' does not exist\); did you mean 'optim'"):
+    with pytest.raises(
+        ConfigKeyError,
+        match=r"unknown config key 'optimm.lr' \('optimm' does not exist\); did you mean 'optim'",
+    ):
         load_config(SFTConfig, overrides=["optimm.lr=1"])
 
 
@@ -122,7 +125,12 @@ def test_batch_not_divisible_by_micro_batch_times_dp() -> None:
 def test_cli_show_and_validate(capsys) -> None:
     assert config_main(["show", "--entry", "sft", "optim.lr=0.5"]) == 0
     assert "lr: 0.5" in capsys.readouterr().out
-    assert config_main(["validate", "--entry", "sft", "--world-size", "4", "megatron.tensor_model_parallel_size=3"]) == 2
+    assert (
+        config_main(
+            ["validate", "--entry", "sft", "--world-size", "4", "megatron.tensor_model_parallel_size=3"]
+        )
+        == 2
+    )
     assert "world size 4 is not divisible" in capsys.readouterr().err
 
 

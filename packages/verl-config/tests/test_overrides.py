@@ -75,7 +75,9 @@ _scalars = (
     | st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 )
 _values = st.recursive(
-    _scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_keys, inner, max_size=4), max_leaves=12
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_keys, inner, max_size=4),
+    max_leaves=12,
 )
 
 
@@ -138,8 +140,12 @@ def test_open_dicts_accept_new_keys_with_or_without_plus() -> None:
 def test_plus_on_existing_key_and_on_typed_section_are_refused() -> None:
     cfg = _tree()
     with pytest.raises(ConfigKeyError, match="already exists; use .*=VALUE"):
-        apply_override(cfg, "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mlp]")
-    with pytest.raises(ConfigKeyError, match="cannot add a key to the typed section 'actor_rollout_ref.actor.optim'"):
+        apply_override(
+            cfg, "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mlp]"
+        )
+    with pytest.raises(
+        ConfigKeyError, match="cannot add a key to the typed section 'actor_rollout_ref.actor.optim'"
+    ):
         apply_override(cfg, "+actor_rollout_ref.actor.optim.new_knob=1")
     with pytest.raises(ConfigKeyError, match="did you mean 'actor_rollout_ref.actor.optim.lr'"):
         apply_override(cfg, "actor_rollout_ref.actor.optim.lrr=1")
@@ -164,11 +170,18 @@ def test_lists_dicts_and_null_values() -> None:
     cfg = _tree()
     apply_override(cfg, "trainer.logger=[console,tensorboard]")
     apply_override(cfg, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null")
-    apply_override(cfg, "actor_rollout_ref.rollout.val_kwargs={temperature:0.6,n:4}")  # merged into a typed node
+    apply_override(
+        cfg, "actor_rollout_ref.rollout.val_kwargs={temperature:0.6,n:4}"
+    )  # merged into a typed node
     assert list(cfg.trainer.logger) == ["console", "tensorboard"]
     assert cfg.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size is None
-    assert (cfg.actor_rollout_ref.rollout.val_kwargs.temperature, cfg.actor_rollout_ref.rollout.val_kwargs.n) == (0.6, 4)
+    assert (
+        cfg.actor_rollout_ref.rollout.val_kwargs.temperature,
+        cfg.actor_rollout_ref.rollout.val_kwargs.n,
+    ) == (0.6, 4)
     assert cfg.actor_rollout_ref.rollout.val_kwargs.top_p == 1.0  # untouched keys stay
-    apply_override(cfg, "actor_rollout_ref.actor.megatron.override_ddp_config={bucket_size:1000}")  # open dict: replaced
+    apply_override(
+        cfg, "actor_rollout_ref.actor.megatron.override_ddp_config={bucket_size:1000}"
+    )  # open dict: replaced
     apply_override(cfg, "actor_rollout_ref.actor.megatron.override_ddp_config={overlap_grad_reduce:true}")
     assert cfg.actor_rollout_ref.actor.megatron.override_ddp_config == {"overlap_grad_reduce": True}

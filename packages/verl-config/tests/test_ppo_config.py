@@ -6,9 +6,9 @@ import warnings
 from typing import Any
 
 import pytest
-from conftest import MICRO_BATCHES
 from omegaconf import OmegaConf
 
+from conftest import MICRO_BATCHES
 from verl_config import (
     ConfigKeyError,
     ConfigTypeError,
@@ -93,7 +93,11 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
     assert tree["actor_rollout_ref"]["actor"]["megatron"] == expected
     assert tree["critic"]["megatron"] == expected
     standalone = McoreEngineConfig()
-    assert (standalone.use_dynamic_bsz, standalone.max_token_len_per_gpu, standalone.micro_batch_size_per_gpu) == (
+    assert (
+        standalone.use_dynamic_bsz,
+        standalone.max_token_len_per_gpu,
+        standalone.micro_batch_size_per_gpu,
+    ) == (
         True,
         None,
         None,
@@ -101,12 +105,18 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
     # resolved: the tie gives the role's value; sequence_parallel forced off with a note
     cfg = _load()
     eng = cfg.actor_rollout_ref.actor.megatron
-    assert eng.micro_batch_size_per_gpu == 4 and eng.use_dynamic_bsz is False and eng.max_token_len_per_gpu == 16384
+    assert (
+        eng.micro_batch_size_per_gpu == 4
+        and eng.use_dynamic_bsz is False
+        and eng.max_token_len_per_gpu == 16384
+    )
     assert eng.sequence_parallel is False
     assert f"{AM}.sequence_parallel: forced to false because tensor_model_parallel_size is 1" in " ".join(
         config_notes(cfg)
     )
-    assert _load(f"{AM}.tensor_model_parallel_size=2").actor_rollout_ref.actor.megatron.sequence_parallel is True
+    assert (
+        _load(f"{AM}.tensor_model_parallel_size=2").actor_rollout_ref.actor.megatron.sequence_parallel is True
+    )
 
 
 def test_reference_section_follows_the_actor_layout_and_never_trains() -> None:
@@ -140,9 +150,15 @@ _SHARED_DIFFERENCES = {
     "critic.strategy": ("fsdp", "megatron"),
     "actor_rollout_ref.model.use_remove_padding": (True, False),
     "critic.model.use_remove_padding": (True, False),
-    "actor_rollout_ref.model.override_config": ({}, {"model_config": {}, "moe_config": {"freeze_moe_router": False}}),
+    "actor_rollout_ref.model.override_config": (
+        {},
+        {"model_config": {}, "moe_config": {"freeze_moe_router": False}},
+    ),
     "critic.model.override_config": ({}, {"model_config": {}, "moe_config": {"freeze_moe_router": False}}),
-    "actor_rollout_ref.rollout.layer_name_map": (None, {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}),
+    "actor_rollout_ref.rollout.layer_name_map": (
+        None,
+        {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"},
+    ),
     "actor_rollout_ref.rollout.load_format": ("dummy_dtensor", "dummy_megatron"),
 }
 _FSDP_ONLY = {
@@ -187,7 +203,9 @@ def test_every_engine_difference_is_pinned() -> None:
     for path, keys in _MEGATRON_ONLY.items():
         assert set(node(trees["megatron"], path)) - set(node(trees["fsdp"], path)) == keys, path
     for path, (fsdp_value, megatron_value) in _SHARED_DIFFERENCES.items():
-        assert (node(trees["fsdp"], path), node(trees["megatron"], path)) == (fsdp_value, megatron_value), path
+        assert (node(trees["fsdp"], path), node(trees["megatron"], path)) == (fsdp_value, megatron_value), (
+            path
+        )
     # ... and nothing else differs: every key of engine_differences() is covered by the lists above.
     only = [f"{p}.{k}" for table in (_FSDP_ONLY, _MEGATRON_ONLY) for p, ks in table.items() for k in ks]
     for key in engine_differences():
@@ -239,7 +257,9 @@ def test_yaml_selects_engine_and_layers_under_overrides(tmp_path) -> None:
 
 
 def test_unknown_and_mistyped_keys() -> None:
-    with pytest.raises(ConfigKeyError, match=r"'actor_rollout_ref.actor.megatron' exists only with model_engine=megatron"):
+    with pytest.raises(
+        ConfigKeyError, match=r"'actor_rollout_ref.actor.megatron' exists only with model_engine=megatron"
+    ):
         _load(f"{AM}.tensor_model_parallel_size=2", engine="fsdp")
     with pytest.raises(ConfigKeyError, match=r"did you mean 'actor_rollout_ref.rollout'"):
         _load("actor_rollout_ref.rollot.n=2")
@@ -256,7 +276,11 @@ def test_unknown_and_mistyped_keys() -> None:
             rf"{AM}.max_seqlen_per_dp_cp_rank: is null but dynamic_context_parallel is true",
         ),
         (
-            [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=4096", f"{AM}.use_remove_padding=false"],
+            [
+                f"{AM}.dynamic_context_parallel=true",
+                f"{AM}.max_seqlen_per_dp_cp_rank=4096",
+                f"{AM}.use_remove_padding=false",
+            ],
             rf"{AM}.use_remove_padding: is false but dynamic_context_parallel is true",
         ),
         (
@@ -287,7 +311,10 @@ def test_unknown_and_mistyped_keys() -> None:
             [f"{AM}.expert_model_parallel_size=16"],
             rf"{AM}.expert_model_parallel_size: world size 8 is not divisible by",
         ),
-        ([f"{AM}.virtual_pipeline_model_parallel_size=2"], r"virtual .*need pipeline_model_parallel_size > 1"),
+        (
+            [f"{AM}.virtual_pipeline_model_parallel_size=2"],
+            r"virtual .*need pipeline_model_parallel_size > 1",
+        ),
         (
             [f"{AM}.override_transformer_config.recompute_method=uniform"],
             r"recompute_method only applies to recompute_granularity=full",
@@ -298,19 +325,28 @@ def test_unknown_and_mistyped_keys() -> None:
             rf"{A}.ppo_micro_batch_size_per_gpu: \(3\) does not divide the mini-batch per data-parallel rank: .* = 64 / 8 = 8",
         ),
         ([f"{A}.ppo_mini_batch_size=4"], r"= 4 sequences is not divisible by the data-parallel size 8"),
-        ([f"{A}.ppo_micro_batch_size=32"], rf"{A}.ppo_micro_batch_size: and {A}.ppo_micro_batch_size_per_gpu are both set"),
+        (
+            [f"{A}.ppo_micro_batch_size=32"],
+            rf"{A}.ppo_micro_batch_size: and {A}.ppo_micro_batch_size_per_gpu are both set",
+        ),
         (
             [f"{A}.ppo_micro_batch_size_per_gpu=null"],
             rf"{A}.ppo_micro_batch_size_per_gpu: is null and {A}.use_dynamic_bsz is false",
         ),
         ([f"{A}.ppo_mini_batch_size=2048"], r"larger than data.train_batch_size \(1024\)"),
         ([f"{A}.strategy=fsdp"], rf"{A}.strategy: is 'fsdp' but model_engine is 'megatron'"),
-        (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"rollout.tensor_model_parallel_size: \(3\) does not divide"),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+            r"rollout.tensor_model_parallel_size: \(3\) does not divide",
+        ),
         (
             [f"{A}.use_dynamic_bsz=true", f"{A}.ppo_max_token_len_per_gpu=512"],
             r"ppo_max_token_len_per_gpu: \(512\) is smaller than one sequence .* = 1024",
         ),
-        ([f"{AM}.use_dynamic_bsz=true"], rf"{AM}.use_dynamic_bsz: is True but {A}.use_dynamic_bsz is False; .*set {A}.use_dynamic_bsz only"),
+        (
+            [f"{AM}.use_dynamic_bsz=true"],
+            rf"{AM}.use_dynamic_bsz: is True but {A}.use_dynamic_bsz is False; .*set {A}.use_dynamic_bsz only",
+        ),
         (["algorithm.adv_estimator=grpo"], r"rollout.n: is 1 but algorithm.adv_estimator=grpo"),
         ([f"{AM}.tensor_model_parallel_size=0"], rf"{AM}.tensor_model_parallel_size: must be > 0, got 0"),
         (["trainer.resume_mode=resume_path"], r"trainer.resume_from_path: is null but resume_mode"),
@@ -337,8 +373,13 @@ def test_valid_layouts() -> None:
         f"{A}.ppo_mini_batch_size=64",
         f"{A}.ppo_micro_batch_size_per_gpu=2",
     )
-    assert cfg.actor_rollout_ref.actor.megatron.model_parallel_size() == 8  # DP = 16 / 8 = 2, 64/2=32 per rank
-    cfg = _load(f"{AM}.use_megatron_fsdp=true", f"{AM}.override_ddp_config.data_parallel_sharding_strategy=optim_grads")
+    assert (
+        cfg.actor_rollout_ref.actor.megatron.model_parallel_size() == 8
+    )  # DP = 16 / 8 = 2, 64/2=32 per rank
+    cfg = _load(
+        f"{AM}.use_megatron_fsdp=true",
+        f"{AM}.override_ddp_config.data_parallel_sharding_strategy=optim_grads",
+    )
     assert cfg.actor_rollout_ref.actor.megatron.use_megatron_fsdp is True
 
 
@@ -360,11 +401,19 @@ def test_conversions_to_lower_layer_kwargs() -> None:
     }
     assert eng.ddp_config_overrides() == {"bucket_size": 1000}
     tf = eng.transformer_config_overrides()
-    assert tf["tensor_model_parallel_size"] == 2 and tf["sequence_parallel"] is True and tf["recompute_modules"] == ["core_attn"]
+    assert (
+        tf["tensor_model_parallel_size"] == 2
+        and tf["sequence_parallel"] is True
+        and tf["recompute_modules"] == ["core_attn"]
+    )
     assert eng.parallel_kwargs()["tensor_model_parallel_size"] == 2
     assert eng.construction_path == "mbridge"
-    assert _load(f"{AM}.vanilla_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "provider"
+    assert (
+        _load(f"{AM}.vanilla_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "provider"
+    )
     assert _load(f"{AM}.use_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "plain"
-    opt = cfg.actor_rollout_ref.actor.optim.optimizer_config_kwargs(dtype=eng.dtype, use_distributed_optimizer=False)
+    opt = cfg.actor_rollout_ref.actor.optim.optimizer_config_kwargs(
+        dtype=eng.dtype, use_distributed_optimizer=False
+    )
     assert opt["lr"] == 2e-6 and opt["bf16"] is True and opt["use_distributed_optimizer"] is False
     assert (opt["adam_beta1"], opt["adam_beta2"]) == (0.9, 0.999)

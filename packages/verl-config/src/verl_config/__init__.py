@@ -16,7 +16,13 @@ from verl_config.engines import (
     McoreOptimConfig,
 )
 from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError
-from verl_config.generate import GENERATED_DIR, check_generated, engine_differences, generated_yaml, write_generated
+from verl_config.generate import (
+    GENERATED_DIR,
+    check_generated,
+    engine_differences,
+    generated_yaml,
+    write_generated,
+)
 from verl_config.loader import apply_override, to_yaml
 from verl_config.lora import (
     DEFAULT_LORA_ALPHA,

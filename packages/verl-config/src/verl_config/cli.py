@@ -32,7 +32,8 @@ def _load(args: argparse.Namespace) -> object:
     if args.entry != "sft":
         if args.world_size is not None:
             raise ConfigValueError(
-                "--world-size", "applies to --entry sft only; ppo_trainer takes trainer.nnodes x trainer.n_gpus_per_node"
+                "--world-size",
+                "applies to --entry sft only; ppo_trainer takes trainer.nnodes x trainer.n_gpus_per_node",
             )
         return load_config(args.entry, yaml_path=args.config, overrides=args.overrides)
     cfg = load_config(SFTConfig, yaml_path=args.config, overrides=args.overrides)
@@ -42,21 +43,35 @@ def _load(args: argparse.Namespace) -> object:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl-config", description="Show, validate, diff and generate trainer configs.")
+    parser = argparse.ArgumentParser(
+        prog="verl-config", description="Show, validate, diff and generate trainer configs."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("show", "print the resolved config as YAML"), ("validate", "check a config, print notes")):
+    for name, help_text in (
+        ("show", "print the resolved config as YAML"),
+        ("validate", "check a config, print notes"),
+    ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--entry", default="ppo_trainer", choices=[*ENTRIES, "sft"], help="entry config (default ppo_trainer)")
+        p.add_argument(
+            "--entry",
+            default="ppo_trainer",
+            choices=[*ENTRIES, "sft"],
+            help="entry config (default ppo_trainer)",
+        )
         p.add_argument("--config", help="YAML file merged over the defaults")
         p.add_argument("overrides", nargs="*", help="key=value, +key=value, ++key=value or ~key")
         p.add_argument(
             "--world-size", type=int, default=None, help="sft entry only: check the layout for N processes"
         )
     diff = sub.add_parser("diff", help="defaults that differ between two engines")
-    diff.add_argument("--engines", nargs=2, default=list(MODEL_ENGINES), choices=MODEL_ENGINES, metavar="ENGINE")
+    diff.add_argument(
+        "--engines", nargs=2, default=list(MODEL_ENGINES), choices=MODEL_ENGINES, metavar="ENGINE"
+    )
     gen = sub.add_parser("generate", help="write (or --check) the generated reference configs")
     gen.add_argument("--check", action="store_true", help="only report stale files (exit 1 when stale)")
-    gen.add_argument("--dir", type=Path, default=GENERATED_DIR, help=f"output folder (default {GENERATED_DIR})")
+    gen.add_argument(
+        "--dir", type=Path, default=GENERATED_DIR, help=f"output folder (default {GENERATED_DIR})"
+    )
     return parser
 
 

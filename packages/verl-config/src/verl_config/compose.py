@@ -10,6 +10,8 @@ is set in this one function, and a test pins the full list.
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +30,7 @@ from verl_config.notes import defaults_only, warn_once
 from verl_config.overrides import Override, parse_override
 from verl_config.ppo import (
     MODEL_ENGINES,
+    ActorRolloutRefConfig,
     McoreActorConfig,
     McoreCriticConfig,
     McoreRefConfig,
@@ -62,23 +65,38 @@ _REF_FOLLOWS_ACTOR = (
 
 
 def default_tree(model_engine: str) -> DictConfig:
-    """The default PPO config tree of ``model_engine`` (typed nodes, interpolations unresolved)."""
+    """The default PPO config tree of ``model_engine`` (typed nodes, interpolations unresolved).
+
+    Returns a fresh copy the caller may change: building the tree from the dataclasses takes
+    ~10x longer than copying it, so each engine's tree is built once per process.
+    """
     if model_engine not in MODEL_ENGINES:
-        raise ConfigValueError("model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {model_engine!r}")
+        raise ConfigValueError(
+            "model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {model_engine!r}"
+        )
+    return pickle.loads(_built_tree(model_engine))
+
+
+@functools.cache
+def _built_tree(model_engine: str) -> bytes:
+    """The tree of ``model_engine``, pickled (unpickling is ~3x faster than a deep copy)."""
     with defaults_only():
-        cfg = OmegaConf.structured(TrainerConfig)
         if model_engine == "megatron":
+            root = TrainerConfig(
+                model_engine="megatron",
+                actor_rollout_ref=ActorRolloutRefConfig(actor=McoreActorConfig(), ref=McoreRefConfig()),
+                critic=McoreCriticConfig(),
+            )
+            cfg = OmegaConf.structured(root)
             _select_megatron(cfg)
-    cfg.model_engine = model_engine
-    return cfg
+        else:
+            cfg = OmegaConf.structured(TrainerConfig)
+    return pickle.dumps(cfg)
 
 
 def _select_megatron(cfg: DictConfig) -> None:
-    """Swap in the Megatron role sections and set every Megatron-specific default."""
+    """Set every Megatron-specific default that is not a class default of the Megatron role sections."""
     arr = cfg.actor_rollout_ref
-    arr.actor = OmegaConf.structured(McoreActorConfig)
-    arr.ref = OmegaConf.structured(McoreRefConfig)
-    cfg.critic = OmegaConf.structured(McoreCriticConfig)
     for model in (arr.model, cfg.critic.model):
         model.use_remove_padding = False  # verl's megatron default (bshd); the unification flipped it
         model.override_config = {"model_config": {}, "moe_config": {"freeze_moe_router": False}}
@@ -89,7 +107,9 @@ def _select_megatron(cfg: DictConfig) -> None:
         arr.ref.megatron[key] = f"${{actor_rollout_ref.actor.megatron.{key}}}"
     for section, prefix in ((arr.actor, "ppo_"), (cfg.critic, "ppo_"), (arr.ref, "log_prob_")):
         engine = section.megatron
-        engine.use_dynamic_bsz = "${..log_prob_use_dynamic_bsz}" if prefix == "log_prob_" else "${..use_dynamic_bsz}"
+        engine.use_dynamic_bsz = (
+            "${..log_prob_use_dynamic_bsz}" if prefix == "log_prob_" else "${..use_dynamic_bsz}"
+        )
         engine.max_token_len_per_gpu = f"${{..{prefix}max_token_len_per_gpu}}"
         engine.micro_batch_size_per_gpu = f"${{..{prefix}micro_batch_size_per_gpu}}"
 
@@ -111,7 +131,9 @@ def resolve_entry(entry: str, *, yaml_layer: DictConfig | None, overrides: Seque
         if ov.key == "model_engine" and ov.kind != "delete":
             engine, source = str(ov.value), f"override {ov.text!r}"
     if engine not in MODEL_ENGINES:
-        raise ConfigValueError("model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {engine!r} (from {source})")
+        raise ConfigValueError(
+            "model_engine", f"must be one of {', '.join(MODEL_ENGINES)}; got {engine!r} (from {source})"
+        )
     if forced is not None and engine != forced:
         raise ConfigValueError(
             "model_engine",
@@ -145,7 +167,11 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
     for model_path in _MODEL_PATHS:
         model = OmegaConf.select(cfg, model_path)
         lora = model.lora
-        flat_given = {k for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules") if model[k] is not None}
+        flat_given = {
+            k
+            for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
+            if model[k] is not None
+        }
         for flat_key, block_key in (
             ("lora_rank", "rank"),
             ("lora_alpha", "alpha"),
@@ -159,7 +185,9 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
                 flat_value = flat_target_modules(flat_value)
             block_full = f"{model_path}.lora.{block_key}"
             block_explicit = any(k == block_full or k.startswith(block_full + ".") for k in explicit)
-            if block_explicit and _lora_value(lora[block_key], block_key, engine) != _lora_value(flat_value, block_key, engine):
+            if block_explicit and _lora_value(lora[block_key], block_key, engine) != _lora_value(
+                flat_value, block_key, engine
+            ):
                 raise ConfigValueError(
                     f"{model_path}.{flat_key}",
                     f"is {_show(model[flat_key])} but {block_full} is {_show(lora[block_key])}: two spellings of one"
@@ -179,7 +207,9 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
             )
         for block_key in ("target_modules", "exclude_modules"):
             try:
-                lora[block_key] = translate_target_modules(list(lora[block_key]), engine=engine, key=block_key)
+                lora[block_key] = translate_target_modules(
+                    list(lora[block_key]), engine=engine, key=block_key
+                )
             except ConfigValueError as err:
                 raise err.with_prefix(f"{model_path}.lora") from None
 
@@ -191,7 +221,9 @@ def _lora_value(value: Any, key: str, engine: str) -> Any:
 
 
 def _show(value: Any) -> str:
-    return repr(OmegaConf.to_container(value) if isinstance(value, DictConfig) or OmegaConf.is_list(value) else value)
+    return repr(
+        OmegaConf.to_container(value) if isinstance(value, DictConfig) or OmegaConf.is_list(value) else value
+    )
 
 
 def _migrate_grad_clip(cfg: DictConfig, *, explicit: set[str]) -> None:

@@ -84,7 +84,11 @@ class McoreEngineConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             check_positive(key, getattr(self, key))
         check_positive("expert_model_parallel_size", self.expert_model_parallel_size)
-        for key in ("expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size", "micro_batch_size_per_gpu"):
+        for key in (
+            "expert_tensor_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "micro_batch_size_per_gpu",
+        ):
             if getattr(self, key) is not None:
                 check_positive(key, getattr(self, key))
         if self.max_token_len_per_gpu is not None:
@@ -98,7 +102,10 @@ class McoreEngineConfig:
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1 and adjusting():
             self.sequence_parallel = False
-            note("sequence_parallel", "forced to false because tensor_model_parallel_size is 1 (it only splits TP work)")
+            note(
+                "sequence_parallel",
+                "forced to false because tensor_model_parallel_size is 1 (it only splits TP work)",
+            )
         self._check_dynamic_cp()
         self._check_megatron_fsdp()
         if self.use_dist_checkpointing and not self.dist_checkpointing_path:
@@ -147,12 +154,21 @@ class McoreEngineConfig:
         strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None:
             check_choice(
-                "override_ddp_config.data_parallel_sharding_strategy", strategy, MEGATRON_FSDP_SHARDING_STRATEGIES
+                "override_ddp_config.data_parallel_sharding_strategy",
+                strategy,
+                MEGATRON_FSDP_SHARDING_STRATEGIES,
             )
         if not self.use_megatron_fsdp:
             return
-        if not self.use_distributed_optimizer or self.override_ddp_config.get("use_distributed_optimizer") is False:
-            key = "use_distributed_optimizer" if not self.use_distributed_optimizer else "override_ddp_config.use_distributed_optimizer"
+        if (
+            not self.use_distributed_optimizer
+            or self.override_ddp_config.get("use_distributed_optimizer") is False
+        ):
+            key = (
+                "use_distributed_optimizer"
+                if not self.use_distributed_optimizer
+                else "override_ddp_config.use_distributed_optimizer"
+            )
             raise ConfigValueError(
                 key,
                 "is false but use_megatron_fsdp is true; Megatron-FSDP shards the optimizer state, so it requires"
@@ -174,7 +190,9 @@ class McoreEngineConfig:
 
     def model_parallel_size(self) -> int:
         """Ranks one model replica spans: TP x PP x CP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
     def parallel_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for megatron-core's ``parallel_state.initialize_model_parallel``."""
@@ -246,7 +264,9 @@ class FSDPEngineConfig:
         check_choice("model_dtype", self.model_dtype, ("fp32", "bf16", "fp16", *DTYPES))
         check_choice("dtype", self.dtype, DTYPES)
         if self.offload_policy and self.strategy != "fsdp2":
-            raise ConfigValueError("offload_policy", "needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy); set strategy=fsdp2")
+            raise ConfigValueError(
+                "offload_policy", "needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy); set strategy=fsdp2"
+            )
 
 
 def _check_optim_common(cfg: Any) -> None:
@@ -258,7 +278,9 @@ def _check_optim_common(cfg: Any) -> None:
     if not 0.0 <= cfg.lr_warmup_steps_ratio <= 1.0:
         raise ConfigValueError("lr_warmup_steps_ratio", f"must be in [0, 1]; got {cfg.lr_warmup_steps_ratio}")
     if cfg.lr_warmup_steps < -1:
-        raise ConfigValueError("lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}")
+        raise ConfigValueError(
+            "lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}"
+        )
 
 
 @dataclass
@@ -308,8 +330,14 @@ class McoreOptimConfig:
     def __post_init__(self) -> None:
         _check_optim_common(self)
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
-        check_choice("lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root", "WSD"))
-        check_choice("weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine"))
+        check_choice(
+            "lr_decay_style",
+            self.lr_decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        )
+        check_choice(
+            "weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine")
+        )
         check_positive("min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:
             raise ConfigValueError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")

@@ -17,7 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 from verl_config.compose import default_tree
 from verl_config.ppo import MODEL_ENGINES
 
-__all__ = ["GENERATED_DIR", "GENERATED_FILES", "check_generated", "engine_differences", "generated_yaml", "write_generated"]
+__all__ = [
+    "GENERATED_DIR",
+    "GENERATED_FILES",
+    "check_generated",
+    "engine_differences",
+    "generated_yaml",
+    "write_generated",
+]
 
 GENERATED_DIR = Path(__file__).parent / "config"
 GENERATED_FILES: dict[str, str] = {
@@ -58,7 +65,10 @@ def check_generated(directory: str | Path = GENERATED_DIR) -> dict[str, str]:
         have = path.read_text() if path.is_file() else ""
         if have != want:
             diff = difflib.unified_diff(
-                have.splitlines(keepends=True), want.splitlines(keepends=True), f"{name} (checked in)", f"{name} (schema)"
+                have.splitlines(keepends=True),
+                want.splitlines(keepends=True),
+                f"{name} (checked in)",
+                f"{name} (schema)",
             )
             stale[name] = "".join(diff) or f"{name} is missing\n"
     return stale

@@ -61,7 +61,11 @@ def unknown_key_error(cfg: DictConfig, full_key: str, *, hint: KeyHint | None = 
     valid = _child_keys(cfg, parent)
     close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
     bad = f"{parent}.{leaf}" if parent else leaf
-    msg = f"unknown config key '{full_key}'" if bad == full_key else f"unknown config key '{full_key}' ('{bad}' does not exist)"
+    msg = (
+        f"unknown config key '{full_key}'"
+        if bad == full_key
+        else f"unknown config key '{full_key}' ('{bad}' does not exist)"
+    )
     if close:
         msg += f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?"
     extra = hint(full_key) if hint is not None else None
@@ -72,7 +76,9 @@ def unknown_key_error(cfg: DictConfig, full_key: str, *, hint: KeyHint | None = 
     return ConfigKeyError(msg)
 
 
-def _translate(cfg: DictConfig, exc: oc_errors.OmegaConfBaseException, origin: str, hint: KeyHint | None) -> Exception:
+def _translate(
+    cfg: DictConfig, exc: oc_errors.OmegaConfBaseException, origin: str, hint: KeyHint | None
+) -> Exception:
     full_key = str(getattr(exc, "full_key", "") or getattr(exc, "key", "") or "")
     if isinstance(exc, oc_errors.ConfigKeyError | oc_errors.ConfigAttributeError):
         return unknown_key_error(cfg, full_key, hint=hint)
@@ -82,7 +88,9 @@ def _translate(cfg: DictConfig, exc: oc_errors.OmegaConfBaseException, origin: s
     return ConfigTypeError(f"{full_key or '<config>'}: {first_line} (from {origin})")
 
 
-def read_yaml(*, yaml_path: str | Path | None = None, yaml_text: str | None = None) -> tuple[str, DictConfig] | None:
+def read_yaml(
+    *, yaml_path: str | Path | None = None, yaml_text: str | None = None
+) -> tuple[str, DictConfig] | None:
     """Read the user's YAML layer (file or text); None when neither is given."""
     if yaml_path is not None and yaml_text is not None:
         raise ValueError("give yaml_path or yaml_text, not both")
@@ -98,11 +106,15 @@ def read_yaml(*, yaml_path: str | Path | None = None, yaml_text: str | None = No
     else:
         return None
     if not isinstance(layer, DictConfig):
-        raise ConfigTypeError(f"{origin}: the top level of a config file must be a mapping, not a {type(layer).__name__}")
+        raise ConfigTypeError(
+            f"{origin}: the top level of a config file must be a mapping, not a {type(layer).__name__}"
+        )
     return origin, layer
 
 
-def merge_layer(cfg: DictConfig, layer: DictConfig, *, origin: str, hint: KeyHint | None = None) -> DictConfig:
+def merge_layer(
+    cfg: DictConfig, layer: DictConfig, *, origin: str, hint: KeyHint | None = None
+) -> DictConfig:
     """Merge ``layer`` (a YAML file) into ``cfg``; unknown keys and bad types raise our errors."""
     try:
         return OmegaConf.merge(cfg, layer)  # type: ignore[return-value]
@@ -132,7 +144,9 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
     if not isinstance(parent, DictConfig):
         if parent is None:
             raise unknown_key_error(cfg, ov.key, hint=hint)
-        raise ConfigTypeError(f"override {ov.text!r}: '{parent_key}' holds a {type(parent).__name__} value, not a section")
+        raise ConfigTypeError(
+            f"override {ov.text!r}: '{parent_key}' holds a {type(parent).__name__} value, not a section"
+        )
     exists = leaf in parent
     closed = _is_schema_node(parent)
     where = f"'{parent_key}'" if parent_key else "the top level"
@@ -146,7 +160,8 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
             )
         if ov.has_value and OmegaConf.to_container(OmegaConf.create({"v": parent[leaf]}))["v"] != ov.value:
             raise ConfigValueError(
-                ov.key, f"override {ov.text!r} deletes it only if it equals {format_value(ov.value)}, but it is {parent[leaf]!r}"
+                ov.key,
+                f"override {ov.text!r} deletes it only if it equals {format_value(ov.value)}, but it is {parent[leaf]!r}",
             )
         with open_dict(parent):
             del parent[leaf]
@@ -206,7 +221,9 @@ def explicit_keys(layer: DictConfig | Mapping[str, Any] | None, overrides: list[
     return keys
 
 
-def build_typed(cfg: DictConfig, *, origin: str = "config", hint: KeyHint | None = None) -> tuple[Any, list[str]]:
+def build_typed(
+    cfg: DictConfig, *, origin: str = "config", hint: KeyHint | None = None
+) -> tuple[Any, list[str]]:
     """Resolve ``cfg`` and build its dataclasses bottom-up; return (object, notes).
 
     The concrete dataclass of every section is taken from the node (so an engine-specific

@@ -55,7 +55,9 @@ _MCORE_TO_HF: dict[str, tuple[str, ...]] = {
 ALL_LINEAR = "all-linear"
 
 
-def translate_target_modules(modules: Iterable[str], *, engine: str, key: str = "target_modules") -> list[str]:
+def translate_target_modules(
+    modules: Iterable[str], *, engine: str, key: str = "target_modules"
+) -> list[str]:
     """Return ``modules`` (Hugging Face or megatron-core names, or ``all-linear``) in ``engine``'s names.
 
     megatron: the four megatron-core linear names; a fused group must be named completely
@@ -146,10 +148,13 @@ class LoraConfig:
         if self.dtype is not None:
             check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.rank > 0 and not self.target_modules:
-            raise ConfigValueError("target_modules", "is empty but rank > 0; name the layers to adapt or 'all-linear'")
+            raise ConfigValueError(
+                "target_modules", "is empty but rank > 0; name the layers to adapt or 'all-linear'"
+            )
         if self.adapter_path is not None and self.rank == 0:
             raise ConfigValueError(
-                "adapter_path", f"is set ({self.adapter_path!r}) but rank is 0 (LoRA off); set lora.rank to the adapter's rank"
+                "adapter_path",
+                f"is set ({self.adapter_path!r}) but rank is 0 (LoRA off); set lora.rank to the adapter's rank",
             )
 
     @property

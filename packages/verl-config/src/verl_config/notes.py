@@ -33,7 +33,7 @@ class ConfigNote(UserWarning):
 
 @contextlib.contextmanager
 def defaults_only() -> Iterator[None]:
-    """Instantiate schema defaults without validation-time adjustments.
+    """Instantiate schema defaults without validation-time adjustments or cross-section rules.
 
     OmegaConf instantiates nested dataclasses to read their defaults. An adjustment such as
     "sequence_parallel forced off at TP 1" must not be baked into the default tree there: a user

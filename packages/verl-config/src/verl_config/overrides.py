@@ -133,7 +133,9 @@ class _ValueParser:
         self.pos = 0
 
     def fail(self, why: str) -> None:
-        raise ConfigTypeError(f"override {self.token!r}: cannot parse value {self.text!r} at column {self.pos}: {why}")
+        raise ConfigTypeError(
+            f"override {self.token!r}: cannot parse value {self.text!r} at column {self.pos}: {why}"
+        )
 
     def skip_ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] in " \t":

@@ -15,7 +15,7 @@ from typing import Any
 from verl_config.engines import FSDPEngineConfig, FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
 from verl_config.errors import ConfigValueError
 from verl_config.lora import LoraConfig
-from verl_config.notes import note
+from verl_config.notes import adjusting, note
 from verl_config.validation import check_choice, check_parallel_layout, check_positive
 
 __all__ = [
@@ -87,7 +87,12 @@ class DataConfig:
     custom_cls: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
 
     def __post_init__(self) -> None:
-        for key in ("max_prompt_length", "max_response_length", "train_batch_size", "filter_overlong_prompts_workers"):
+        for key in (
+            "max_prompt_length",
+            "max_response_length",
+            "train_batch_size",
+            "filter_overlong_prompts_workers",
+        ):
             check_positive(key, getattr(self, key))
         if self.val_batch_size is not None:
             check_positive("val_batch_size", self.val_batch_size)
@@ -175,9 +180,13 @@ class ActorConfig:
             if getattr(self, key) is not None:
                 check_positive(key, getattr(self, key))
         check_choice("loss_agg_mode", self.loss_agg_mode, _LOSS_AGG_MODES)
-        check_choice("kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"))
+        check_choice(
+            "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+        )
         if self.clip_ratio_c <= 1.0:
-            raise ConfigValueError("clip_ratio_c", f"must be > 1 (dual-clip lower bound); got {self.clip_ratio_c}")
+            raise ConfigValueError(
+                "clip_ratio_c", f"must be > 1 (dual-clip lower bound); got {self.clip_ratio_c}"
+            )
 
 
 @dataclass
@@ -444,10 +453,16 @@ class RunConfig:
             check_positive("total_training_steps", self.total_training_steps)
         check_choice("resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
         if self.resume_mode == "resume_path" and not self.resume_from_path:
-            raise ConfigValueError("resume_from_path", "is null but resume_mode is 'resume_path'; give the checkpoint folder")
+            raise ConfigValueError(
+                "resume_from_path", "is null but resume_mode is 'resume_path'; give the checkpoint folder"
+            )
         check_choice("device", self.device, ("cuda", "npu", "cpu"))
         for item in self.logger:
-            check_choice("logger", item, ("console", "wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "file"))
+            check_choice(
+                "logger",
+                item,
+                ("console", "wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "file"),
+            )
 
     @property
     def world_size(self) -> int:
@@ -471,6 +486,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choice("model_engine", self.model_engine, MODEL_ENGINES)
+        if not adjusting():  # a default tree being built: cross-section rules apply to loaded configs only
+            return
         arr = self.actor_rollout_ref
         for path, role in (
             ("actor_rollout_ref.actor", arr.actor),
@@ -516,7 +533,10 @@ class TrainerConfig:
                     context_parallel_size=engine.context_parallel_size,
                 )
             except ConfigValueError as err:
-                raise ConfigValueError(f"{path}.megatron", f"{err.message} (world size = trainer.nnodes x trainer.n_gpus_per_node)") from None
+                raise ConfigValueError(
+                    f"{path}.megatron",
+                    f"{err.message} (world size = trainer.nnodes x trainer.n_gpus_per_node)",
+                ) from None
             etp = engine.expert_tensor_parallel_size or engine.tensor_model_parallel_size
             expert_mp = etp * engine.expert_model_parallel_size * engine.pipeline_model_parallel_size
             if world % expert_mp:
@@ -534,7 +554,9 @@ class TrainerConfig:
             )
         fsdp = getattr(role, "fsdp_config", None)
         if fsdp is not None and fsdp.fsdp_size != -1 and world % fsdp.fsdp_size:
-            raise ConfigValueError(f"{path}.fsdp_config.fsdp_size", f"({fsdp.fsdp_size}) does not divide the world size {world}")
+            raise ConfigValueError(
+                f"{path}.fsdp_config.fsdp_size", f"({fsdp.fsdp_size}) does not divide the world size {world}"
+            )
         return world // sp
 
     def _check_batches(self, *, actor_dp: int, critic_dp: int) -> None:
@@ -629,7 +651,12 @@ class TrainerConfig:
 
     def _check_remove_padding(self) -> None:
         for path, role, model_path, model in (
-            ("actor_rollout_ref.actor", self.actor_rollout_ref.actor, "actor_rollout_ref.model", self.actor_rollout_ref.model),
+            (
+                "actor_rollout_ref.actor",
+                self.actor_rollout_ref.actor,
+                "actor_rollout_ref.model",
+                self.actor_rollout_ref.model,
+            ),
             ("critic", self.critic, "critic.model", self.critic.model),
         ):
             engine = getattr(role, "megatron", None)
@@ -677,7 +704,10 @@ def _check_micro(
         engine = getattr(section, "megatron", None)
         if engine is not None and engine.micro_batch_size_per_gpu is None:  # it follows the role's key
             engine.micro_batch_size_per_gpu = per_gpu
-        note(f"{role}.{per_gpu_key}", f"set to {per_gpu} from the deprecated {role}.{global_key}={global_value} / DP {dp}")
+        note(
+            f"{role}.{per_gpu_key}",
+            f"set to {per_gpu} from the deprecated {role}.{global_key}={global_value} / DP {dp}",
+        )
     if per_gpu is None:
         if not dynamic:
             raise ConfigValueError(

@@ -1,0 +1,106 @@
+"""Time loading + validating the full ppo_trainer config (target: under 100 ms).
+
+Measures, in a fresh process: the import of verl_config, the first load (cold: OmegaConf and the
+schema warm up) and the median / p90 of repeated loads (warm), for both engines with a realistic
+command line (about 25 overrides, like verl's example scripts). Writes JSON under benchmarks/results/.
+
+    uv run python benchmarks/config_load.py --out benchmarks/results/config_load_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+
+COMMON = [
+    "data.train_batch_size=512",
+    "data.max_prompt_length=1024",
+    "data.max_response_length=2048",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.model.lora.rank=32",
+    "algorithm.adv_estimator=grpo",
+    "algorithm.use_kl_in_reward=false",
+    "trainer.logger=[console,wandb]",
+    "trainer.project_name=bench",
+    "trainer.experiment_name=qwen7b",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=2",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
+ENGINE = {
+    "fsdp": ["model_engine=fsdp", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+    "megatron": [
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform",
+        "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+        "actor_rollout_ref.actor.megatron.override_ddp_config.bucket_size=50000000",
+    ],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/config_load_cpu.json"))
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    t0 = time.perf_counter()
+    import verl_config
+
+    import_ms = (time.perf_counter() - t0) * 1e3
+    results = {}
+    for engine, extra in ENGINE.items():
+        overrides = [*COMMON, *extra]
+        t0 = time.perf_counter()
+        verl_config.load_config("ppo_trainer", overrides=overrides)
+        cold = (time.perf_counter() - t0) * 1e3
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            verl_config.load_config("ppo_trainer", overrides=overrides)
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        results[engine] = {
+            "overrides": len(overrides),
+            "first_load_ms": round(cold, 2),
+            "median_ms": round(statistics.median(times), 2),
+            "p90_ms": round(times[int(0.9 * (len(times) - 1))], 2),
+            "max_ms": round(times[-1], 2),
+        }
+    record = {
+        "benchmark": "config_load",
+        "what": "verl_config.load_config('ppo_trainer', overrides=...) = compose + parse + merge + resolve + build + validate",
+        "target_ms": 100,
+        "device": f"CPU: {platform.processor() or platform.machine()}",
+        "python": platform.python_version(),
+        "versions": {p: metadata.version(p) for p in ("verl-config", "omegaconf")},
+        "import_ms": round(import_ms, 2),
+        "repeat": args.repeat,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
