@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from verl_mcore_utils.compat import import_megatron_core
+from verl_mcore_utils.compat import hf_rope_parameters, import_megatron_core
 
 import_megatron_core()
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -37,6 +37,16 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
     return spec
 
 
+def _rope_theta(hf_config: Mapping[str, Any] | Any) -> float:
+    """RoPE base of ``hf_config``; scaled RoPE variants are refused rather than silently built unscaled."""
+    rope = hf_rope_parameters(hf_config)
+    if rope["rope_type"] != "default":
+        raise ValueError(
+            f"rope_type {rope['rope_type']!r} (rope scaling) is not supported by build_gpt_model yet; only plain RoPE"
+        )
+    return float(rope["rope_theta"])
+
+
 def build_gpt_model(
     *,
     hf_config: Mapping[str, Any] | Any,
@@ -46,6 +56,7 @@ def build_gpt_model(
     post_process: bool = True,
     layer_spec: ModuleSpec | None = None,
     vocab_size: int | None = None,
+    vp_stage: int | None = None,
 ) -> GPTModel:
     """Build a GPTModel (one pipeline stage) for ``hf_config`` and move it to ``device``.
 
@@ -61,7 +72,8 @@ def build_gpt_model(
         post_process=post_process,
         share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=float(hf_get(hf_config, "rope_theta", 10000.0)),
+        rotary_base=_rope_theta(hf_config),
+        vp_stage=vp_stage,
     )
     make_rope_portable(model, device)
     return model.to(device)
