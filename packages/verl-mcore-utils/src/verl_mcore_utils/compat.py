@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
@@ -18,6 +19,7 @@ __all__ = [
     "MAX_MCORE_EXCLUSIVE",
     "MIN_MCORE",
     "ddp_config_fields",
+    "hf_rope_parameters",
     "import_megatron_core",
     "mcore_version",
 ]
@@ -65,3 +67,22 @@ def ddp_config_fields() -> tuple[str, ...]:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return tuple(f.name for f in dataclasses.fields(DistributedDataParallelConfig))
+
+
+def hf_rope_parameters(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """RoPE settings of a Hugging Face config: one dict with at least ``rope_theta`` and ``rope_type``.
+
+    transformers >= 5 keeps them in ``config.rope_parameters`` (``rope_theta`` inside it, no top-level
+    attribute); transformers 4 configs and older config.json files have a top-level ``rope_theta`` and
+    an optional ``rope_scaling`` dict whose kind is under ``rope_type`` or ``type``. Accepts a
+    PretrainedConfig or a config.json mapping. A missing theta is 10000.0 (the transformers default).
+    """
+
+    def get(key: str) -> Any:
+        return hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+
+    params = dict(get("rope_parameters") or get("rope_scaling") or {})
+    theta = params.get("rope_theta", get("rope_theta"))
+    params["rope_theta"] = float(theta) if theta is not None else 10000.0
+    params["rope_type"] = params.get("rope_type", params.pop("type", None)) or "default"
+    return params
