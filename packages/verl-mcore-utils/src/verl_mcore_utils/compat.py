@@ -18,10 +18,18 @@ from packaging.version import Version
 __all__ = [
     "MAX_MCORE_EXCLUSIVE",
     "MIN_MCORE",
+    "MTPTracker",
     "ddp_config_fields",
+    "fsdp_synchronize_param_gather",
+    "has_hybrid_cp_groups",
+    "has_pg_collection",
     "hf_rope_parameters",
     "import_megatron_core",
+    "make_megatron_optimizer",
+    "make_packed_seq_params",
     "mcore_version",
+    "mtp_tracker",
+    "packed_seq_params_fields",
 ]
 
 MIN_MCORE = Version("0.14.0")
@@ -86,3 +94,119 @@ def hf_rope_parameters(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
     params["rope_theta"] = float(theta) if theta is not None else 10000.0
     params["rope_type"] = params.get("rope_type", params.pop("type", None)) or "default"
     return params
+
+
+# ----------------------------------------------------------------------------------------------
+# Feature detection: each function looks at what the installed megatron-core has (signatures,
+# attributes), not at version numbers, so a backported feature is found and a removed one fails
+# with a clear message instead of an AttributeError deep inside a training step.
+
+
+@functools.cache
+def has_pg_collection() -> bool:
+    """True when megatron-core passes process groups as a ProcessGroupCollection (0.15+)."""
+    import_megatron_core()
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def has_hybrid_cp_groups() -> bool:
+    """True when initialize_model_parallel can build megatron's hybrid-CP sub-groups (0.16+)."""
+    import inspect
+
+    import_megatron_core()
+    from megatron.core import parallel_state
+
+    return "hybrid_context_parallel" in inspect.signature(parallel_state.initialize_model_parallel).parameters
+
+
+@functools.cache
+def packed_seq_params_fields() -> tuple[str, ...]:
+    """Field names of PackedSeqParams (``local_cp_size`` / ``cp_group`` exist from 0.16)."""
+    import_megatron_core()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return tuple(f.name for f in dataclasses.fields(PackedSeqParams))
+
+
+def make_packed_seq_params(**fields: Any) -> Any:
+    """A PackedSeqParams with ``fields``; a field this megatron-core lacks is an error naming it."""
+    import_megatron_core()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    unknown = sorted(set(fields) - set(packed_seq_params_fields()))
+    if unknown:
+        raise TypeError(
+            f"PackedSeqParams of megatron-core {mcore_version()} has no field(s) {unknown}"
+            f" (available: {', '.join(packed_seq_params_fields())})"
+        )
+    return PackedSeqParams(**fields)
+
+
+def make_megatron_optimizer(
+    config: Any, model_chunks: list[Any], *, use_gloo_process_groups: bool = True
+) -> Any:
+    """get_megatron_optimizer with the arguments every release accepts.
+
+    0.14-0.15 take ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult``; 0.16+ replaced them with
+    ``config_overrides``. The defaults (no weight decay on biases and 1-D parameters) are the same, so
+    the common call passes only the config, the chunks and the gloo switch.
+    """
+    import inspect
+
+    import_megatron_core()
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    kwargs: dict[str, Any] = {}
+    if "use_gloo_process_groups" in inspect.signature(get_megatron_optimizer).parameters:
+        kwargs["use_gloo_process_groups"] = use_gloo_process_groups
+    return get_megatron_optimizer(config, model_chunks, **kwargs)
+
+
+def fsdp_synchronize_param_gather(chunk: Any) -> None:
+    """Wait for Megatron-FSDP's parameter all-gather of ``chunk``.
+
+    The method is on the FSDP adapter from 0.18 and only on the wrapped ``.module`` before.
+    """
+    for target in (chunk, getattr(chunk, "module", None)):
+        fn = getattr(target, "synchronize_param_gather", None)
+        if callable(fn):
+            fn()
+            return
+    raise AttributeError(
+        f"{type(chunk).__name__} has no synchronize_param_gather (on itself or .module): not a Megatron-FSDP model?"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPTracker:
+    """The MTP metrics tracker under one set of names (0.19 renamed *_loss_* to *_metrics_*)."""
+
+    save: Any
+    clean: Any
+    reduce: Any
+    track: Any
+
+
+@functools.cache
+def mtp_tracker() -> MTPTracker:
+    """megatron-core's MTPLossLoggingHelper functions, whatever this release calls them."""
+    import_megatron_core()
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
+
+    def pick(*names: str) -> Any:
+        for name in names:
+            if hasattr(H, name):
+                return getattr(H, name)
+        raise AttributeError(f"MTPLossLoggingHelper of megatron-core {mcore_version()} has none of {names}")
+
+    return MTPTracker(
+        save=pick("save_metrics_to_tracker", "save_loss_to_tracker"),
+        clean=pick("clean_metrics_in_tracker", "clean_loss_in_tracker"),
+        reduce=pick("reduce_metrics_in_tracker", "reduce_loss_in_tracker"),
+        track=pick("track_mtp_metrics"),
+    )
