@@ -1,0 +1,68 @@
+"""Spawned-rank workers for the GPU construction tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _collectives(fn: Any) -> set[str]:
+    """Names of the collectives ``fn`` launches, read from the profiler (CPU ops and NCCL kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    found = set()
+    for event in prof.events():
+        name = event.name.lower().replace("_", "")
+        for kind in ("reducescatter", "allreduce", "allgather"):
+            if kind in name:
+                found.add(kind)
+    return found
+
+
+def build_and_reduce(rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None) -> dict:
+    """Build a tiny model through ``path``, wrap it with DDP, run one backward and one grad sync."""
+    from verl_mcore_utils.ddp import WrapConfig
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+    from verl_mcore_utils.model import local_layer_spec
+    from verl_mcore_utils.module import GPTModelProvider, SpecProvider, make_megatron_module
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+    init_parallel(device="cuda")
+    torch.manual_seed(0)
+    if path == "mbridge":
+        from verl_mcore_utils.bridges import MBridgeProvider
+
+        ckpt = save_tiny_hf_model("qwen2", f"/tmp/verl_construction_qwen2_{rank}")
+        provider: Any = MBridgeProvider.from_pretrained(ckpt, device="cuda", dtype="bfloat16")
+    else:
+        from verl_mcore_utils.hf_testing import tiny_hf_config
+
+        hf = tiny_hf_config("qwen2").to_dict()
+        tf = hf_to_transformer_config(hf, dtype="bfloat16")
+        if path == "provider":
+            provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
+        else:
+            provider = SpecProvider(
+                transformer_config=tf, layer_spec=local_layer_spec(tf), vocab_size=128, max_sequence_length=64, device="cuda"
+            )
+    chunks = make_megatron_module(
+        provider, wrap_config=WrapConfig(use_distributed_optimizer=use_dist_opt), override_ddp_config=override
+    )
+    model = chunks[0]
+    tokens = torch.randint(0, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+    pos = torch.arange(16, device="cuda").expand(2, 16)
+    model.zero_grad_buffer()
+    loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens).float().mean()
+    loss.backward()
+    seen = _collectives(model.finish_grad_sync)
+    return {
+        "wrapper": type(model).__name__,
+        "ddp_use_distributed_optimizer": model.ddp_config.use_distributed_optimizer,
+        "grad_reduce_in_fp32": model.ddp_config.grad_reduce_in_fp32,
+        "collectives": sorted(seen),
+    }
