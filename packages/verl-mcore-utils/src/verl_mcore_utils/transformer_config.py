@@ -82,6 +82,8 @@ def hf_to_transformer_config(
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
         "params_dtype": _DTYPES[dtype],
+        # megatron-core refuses pipeline parallelism without the dtype of the tensors sent between stages
+        "pipeline_dtype": _DTYPES[dtype],
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",
         "tensor_model_parallel_size": tensor_model_parallel_size,
