@@ -74,6 +74,31 @@ def _checks(rank: int, world_size: int) -> dict[str, object]:
     except ValueError as err:
         out["tied_value_error"] = str(err)
 
+    # the three construction paths give the same model: provider + our loader, mbridge, plain spec
+    from verl_mcore_utils.bridges import MBridgeProvider
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+    from verl_mcore_utils.weights import load_hf_weights
+
+    ckpt = save_tiny_hf_model("qwen2", f"/tmp/verl_test_module_{rank}")
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    ours = make_megatron_module(
+        GPTModelProvider(
+            hf_config=hf_cfg,
+            transformer_config=hf_to_transformer_config(hf_cfg, dtype="float32"),
+            device="cpu",
+        ),
+        wrap_config=no_ddp,
+    )
+    load_hf_weights(ours, ckpt, hf_config=hf_cfg)
+    via_mbridge = make_megatron_module(
+        MBridgeProvider(ckpt, device="cpu", dtype="float32"), wrap_config=no_ddp
+    )
+    a = ours[0](input_ids=tokens, position_ids=pos, attention_mask=None)
+    b = via_mbridge[0](input_ids=tokens, position_ids=pos, attention_mask=None)
+    out["provider_vs_mbridge_max_abs"] = float((a - b).abs().max())
+
     plain = make_megatron_module(
         SpecProvider(
             transformer_config=fp32,
@@ -109,8 +134,31 @@ def test_make_megatron_module_without_ddp_on_cpu() -> None:
     assert out["value_head"] and out["value_shape"] == (2, 8, 1)
     assert "cannot share its output layer" in out["tied_value_error"]
     assert out["plain_vocab"] == 64
+    assert out["provider_vs_mbridge_max_abs"] == 0.0  # same spec, same weights, same kernels
     assert "is not a model provider" in out["not_a_provider"]
     assert "verl-mfsdp" in out["fsdp_error"]
+
+
+def test_mbridge_path_ddp_defaults_never_decide_the_optimizer() -> None:
+    """mbridge's own default use_distributed_optimizer=True must not survive (verl PR #5775)."""
+    from verl_mcore_utils.bridges import MBridgeProvider
+    from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+
+    assert "use_distributed_optimizer" not in MBridgeProvider.ddp_defaults
+    for value in (True, False):
+        ddp = build_ddp_config(
+            wrap_config=WrapConfig(use_distributed_optimizer=value),
+            path_defaults=MBridgeProvider.ddp_defaults,
+        )
+        assert ddp.use_distributed_optimizer is value and ddp.grad_reduce_in_fp32 is True
+    ddp = build_ddp_config(
+        wrap_config=WrapConfig(use_distributed_optimizer=False),
+        path_defaults=MBridgeProvider.ddp_defaults,
+        override_ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": False},
+    )
+    assert (
+        ddp.use_distributed_optimizer is True and ddp.grad_reduce_in_fp32 is False
+    )  # explicit override wins
 
 
 def test_provider_protocol_is_structural() -> None:
