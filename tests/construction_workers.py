@@ -23,7 +23,9 @@ def _collectives(fn: Any) -> set[str]:
     return found
 
 
-def build_and_reduce(rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None) -> dict:
+def build_and_reduce(
+    rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None
+) -> dict:
     """Build a tiny model through ``path``, wrap it with DDP, run one backward and one grad sync."""
     from verl_mcore_utils.ddp import WrapConfig
     from verl_mcore_utils.hf_testing import save_tiny_hf_model
@@ -48,13 +50,19 @@ def build_and_reduce(rank: int, world_size: int, path: str, use_dist_opt: bool, 
             provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
         else:
             provider = SpecProvider(
-                transformer_config=tf, layer_spec=local_layer_spec(tf), vocab_size=128, max_sequence_length=64, device="cuda"
+                transformer_config=tf,
+                layer_spec=local_layer_spec(tf),
+                vocab_size=128,
+                max_sequence_length=64,
+                device="cuda",
             )
     chunks = make_megatron_module(
         provider, wrap_config=WrapConfig(use_distributed_optimizer=use_dist_opt), override_ddp_config=override
     )
     model = chunks[0]
-    tokens = torch.randint(0, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+    tokens = torch.randint(
+        0, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(rank)
+    )
     pos = torch.arange(16, device="cuda").expand(2, 16)
     model.zero_grad_buffer()
     loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens).float().mean()
@@ -65,4 +73,78 @@ def build_and_reduce(rank: int, world_size: int, path: str, use_dist_opt: bool, 
         "ddp_use_distributed_optimizer": model.ddp_config.use_distributed_optimizer,
         "grad_reduce_in_fp32": model.ddp_config.grad_reduce_in_fp32,
         "collectives": sorted(seen),
+    }
+
+
+def train_with_hooks(rank: int, world_size: int, overlap: bool) -> dict:
+    """make_megatron_module + megatron optimizer + attach_training_hooks drive megatron's own schedule."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from verl_mcore_utils.compat import make_megatron_optimizer
+    from verl_mcore_utils.ddp import WrapConfig
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+    init_parallel(device="cuda")
+    torch.manual_seed(0)
+    hf = tiny_hf_config("qwen2").to_dict()
+    tf = hf_to_transformer_config(hf, dtype="bfloat16")
+    override = (
+        {"overlap_grad_reduce": True, "overlap_param_gather": True, "align_param_gather": True}
+        if overlap
+        else {}
+    )
+    chunks = make_megatron_module(
+        GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda"),
+        wrap_config=WrapConfig(use_distributed_optimizer=True),
+        override_ddp_config=override,
+    )
+    opt = make_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True
+        ),
+        chunks,
+    )
+    config = attach_training_hooks(chunks, opt)
+    gen = torch.Generator("cuda").manual_seed(rank)
+    data = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(2)]
+    pos = torch.arange(16, device="cuda").expand(2, 16)
+
+    def forward_step(it: Any, model: Any) -> Any:
+        tokens = next(it)
+        out = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens)
+
+        def loss_func(output: torch.Tensor) -> Any:
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    losses = []
+    for _ in range(3):
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        result = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(data),
+            model=chunks,
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=2,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = opt.step()
+        losses.append(float(sum(r["loss"] for r in result) / len(result)))
+    return {
+        "grad_scale_is_optimizer": config.grad_scale_func == opt.scale_loss,
+        "finalize_set": config.finalize_model_grads_func is not None,
+        "no_sync_set": getattr(config, "no_sync_func", None) is not None,
+        "param_sync_set": getattr(config, "param_sync_func", None) is not None,
+        "step_ok": bool(ok),
+        "grad_norm": float(grad_norm),
+        "losses": losses,
     }

@@ -21,7 +21,9 @@ PATHS = ["provider", "plain", "mbridge"]
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("use_dist_opt", [True, False])
 @pytest.mark.parametrize("flip_with_override", [False, True])
-def test_gradient_reduction_matches_the_setting(path: str, use_dist_opt: bool, flip_with_override: bool) -> None:
+def test_gradient_reduction_matches_the_setting(
+    path: str, use_dist_opt: bool, flip_with_override: bool
+) -> None:
     override = {"use_distributed_optimizer": not use_dist_opt} if flip_with_override else None
     expected = (not use_dist_opt) if flip_with_override else use_dist_opt
     results = run_distributed(
@@ -36,3 +38,16 @@ def test_gradient_reduction_matches_the_setting(path: str, use_dist_opt: bool, f
             assert "allreduce" in out["collectives"] and "reducescatter" not in out["collectives"], out
     if path == "mbridge":  # mbridge's own default survives below the wrap config
         assert results[0]["grad_reduce_in_fp32"] is True
+
+
+@pytest.mark.num_gpus(2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_training_hooks_drive_megatrons_schedule(overlap: bool) -> None:
+    from construction_workers import train_with_hooks
+
+    results = run_distributed(train_with_hooks, world_size=2, backend="nccl", args=(overlap,), timeout_s=300)
+    for out in results:
+        assert out["grad_scale_is_optimizer"] and out["finalize_set"] and out["step_ok"], out
+        assert (out["no_sync_set"], out["param_sync_set"]) == (overlap, overlap), out
+        assert out["grad_norm"] > 0 and out["losses"][-1] < out["losses"][0], out
+    assert results[0]["losses"] == results[1]["losses"]  # loss is reported identically on both DP ranks
