@@ -50,4 +50,3 @@ def test_training_hooks_drive_megatrons_schedule(overlap: bool) -> None:
         assert out["grad_scale_is_optimizer"] and out["finalize_set"] and out["step_ok"], out
         assert (out["no_sync_set"], out["param_sync_set"]) == (overlap, overlap), out
         assert out["grad_norm"] > 0 and out["losses"][-1] < out["losses"][0], out
-    assert results[0]["losses"] == results[1]["losses"]  # loss is reported identically on both DP ranks
