@@ -24,11 +24,10 @@ def _collectives(fn: Any) -> set[str]:
 
 
 def build_and_reduce(
-    rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None
+    rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None, ckpt: str | None = None
 ) -> dict:
     """Build a tiny model through ``path``, wrap it with DDP, run one backward and one grad sync."""
     from verl_mcore_utils.ddp import WrapConfig
-    from verl_mcore_utils.hf_testing import save_tiny_hf_model
     from verl_mcore_utils.model import local_layer_spec
     from verl_mcore_utils.module import GPTModelProvider, SpecProvider, make_megatron_module
     from verl_mcore_utils.parallel import init_parallel
@@ -39,7 +38,7 @@ def build_and_reduce(
     if path == "mbridge":
         from verl_mcore_utils.bridges import MBridgeProvider
 
-        ckpt = save_tiny_hf_model("qwen2", f"/tmp/verl_construction_qwen2_{rank}")
+        assert ckpt is not None  # saved by the parent process (as the checkpoint a trainer would load)
         provider: Any = MBridgeProvider.from_pretrained(ckpt, device="cuda", dtype="bfloat16")
     else:
         from verl_mcore_utils.hf_testing import tiny_hf_config

@@ -15,6 +15,15 @@ from construction_workers import build_and_reduce
 from verl_mcore_utils.testing import run_distributed
 
 PATHS = ["provider", "plain", "mbridge"]
+_CKPT: dict[str, str] = {}
+
+
+def _checkpoint(factory: pytest.TempPathFactory) -> str:
+    if "qwen2" not in _CKPT:
+        from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+        _CKPT["qwen2"] = str(save_tiny_hf_model("qwen2", factory.mktemp("ckpt") / "qwen2"))
+    return _CKPT["qwen2"]
 
 
 @pytest.mark.num_gpus(2)
@@ -22,12 +31,16 @@ PATHS = ["provider", "plain", "mbridge"]
 @pytest.mark.parametrize("use_dist_opt", [True, False])
 @pytest.mark.parametrize("flip_with_override", [False, True])
 def test_gradient_reduction_matches_the_setting(
-    path: str, use_dist_opt: bool, flip_with_override: bool
+    path: str, use_dist_opt: bool, flip_with_override: bool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     override = {"use_distributed_optimizer": not use_dist_opt} if flip_with_override else None
     expected = (not use_dist_opt) if flip_with_override else use_dist_opt
     results = run_distributed(
-        build_and_reduce, world_size=2, backend="nccl", args=(path, use_dist_opt, override), timeout_s=300
+        build_and_reduce,
+        world_size=2,
+        backend="nccl",
+        args=(path, use_dist_opt, override, _checkpoint(tmp_path_factory) if path == "mbridge" else None),
+        timeout_s=300,
     )
     for out in results:
         assert out["wrapper"] == "DistributedDataParallel"
