@@ -43,7 +43,9 @@ def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **over
     elif model_type == "llama":
         cls = transformers.LlamaConfig
     else:
-        raise ValueError(f"model_type {model_type!r} has no tiny config; choose one of {', '.join(TINY_ARCHS)}")
+        raise ValueError(
+            f"model_type {model_type!r} has no tiny config; choose one of {', '.join(TINY_ARCHS)}"
+        )
     common.update(overrides)
     return cls(**common)
 
