@@ -37,3 +37,18 @@ def test_engine_section_to_wrap_and_ddp_config(use_distributed_optimizer: bool) 
     assert (ddp.bucket_size, ddp.grad_reduce_in_fp32) == (1000, True)
     ref = cfg.actor_rollout_ref.ref.megatron  # forward only: no DDP config at all
     assert build_ddp_config(wrap_config=WrapConfig(**ref.wrap_config_kwargs())) is None
+
+
+def test_engine_section_to_transformer_config() -> None:
+    from megatron.core.transformer.enums import AttnBackend
+
+    from verl_mcore_utils import hf_to_transformer_config, qwen2_preset
+
+    cfg = load_config(overrides=["model_engine=megatron", *MICRO, "actor_rollout_ref.actor.megatron.seed=3"])
+    tf = hf_to_transformer_config(
+        qwen2_preset("tiny", vocab_size=64),
+        dtype=cfg.actor_rollout_ref.actor.megatron.dtype,
+        overrides=cfg.actor_rollout_ref.actor.megatron.transformer_config_overrides(),
+    )
+    assert tf.attention_backend == AttnBackend.flash and tf.recompute_modules == ["core_attn"]
+    assert tf.bf16 and tf.tensor_model_parallel_size == 1 and tf.sequence_parallel is False

@@ -27,6 +27,14 @@ def test_transformer_config_mapping() -> None:
     )
     with pytest.raises(ValueError, match="override_transformer_config key 'hiden_size'"):
         hf_to_transformer_config(hf, overrides={"hiden_size": 3})
+    from megatron.core.transformer.enums import AttnBackend
+
+    assert (
+        hf_to_transformer_config(hf, overrides={"attention_backend": "flash"}).attention_backend
+        == AttnBackend.flash
+    )
+    with pytest.raises(ValueError, match="attention_backend 'flashy' is not one of flash"):
+        hf_to_transformer_config(hf, overrides={"attention_backend": "flashy"})
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         hf_to_transformer_config({**hf, "model_type": "gpt2"})
 

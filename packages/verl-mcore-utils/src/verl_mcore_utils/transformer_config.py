@@ -98,5 +98,23 @@ def hf_to_transformer_config(
             raise ValueError(
                 f"override_transformer_config key {key!r} is not a TransformerConfig field; valid: {valid}"
             )
+        if key == "attention_backend" and isinstance(value, str):
+            value = _attention_backend(value)
         kwargs[key] = value
     return TransformerConfig(**kwargs)
+
+
+def _attention_backend(name: str) -> Any:
+    """verl configs write attention_backend as a string ("flash"); megatron-core wants its AttnBackend enum.
+
+    With our local layer spec the core attention is chosen by the spec, so the value only matters for
+    Transformer Engine specs; an unknown name is still an error rather than a silently ignored string.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[name]
+    except KeyError:
+        raise ValueError(
+            f"override_transformer_config.attention_backend {name!r} is not one of {', '.join(b.name for b in AttnBackend)}"
+        ) from None
