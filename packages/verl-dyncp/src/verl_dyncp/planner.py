@@ -1,0 +1,588 @@
+"""Dynamic (and static) context-parallel planning for one packed micro-batch.
+
+Per micro-batch the local CP size is ``k = smallest power of two >= ceil(longest / max_seqlen_per_dp_cp_rank)``
+(1, 2, 3, 4, 5 -> 1, 2, 4, 4, 8 when ``max_seqlen_per_dp_cp_rank`` is 1 token): the smallest group that can
+hold the longest sequence. The ``n`` DP x CP ranks form ``n / k`` aligned groups (:class:`CPGroups`)
+and the sequences are spread over them by greedy longest-processing-time (LPT) scheduling on the
+attention workload ``quadratic * L**2 + linear * L`` (:class:`WorkloadModel`): sequences sorted by
+cost, longest first (ties: lower index first), each placed on the group with the least load so far
+(ties: lower group index). LPT guarantees every group's load is at most the average load plus the
+largest single cost, every sequence runs on exactly one group (no duplicated work), and with at least
+as many sequences as groups no group is left empty.
+
+Static CP is the same machinery with ``static_cp_size`` fixed. :func:`plan_mixed_cp` (``mixed=True`` in
+:func:`dynamic_cp_split_batch`) goes further: several CP sizes in one micro-batch, each sequence on a block
+of the size it needs (:class:`MixedCPPlan`); split and merge handle both kinds of plan as a list of
+:class:`CPBlock`. It is not measured on GPUs yet, so it is opt-in.
+
+Determinism: the plan depends only on the sequence lengths (integers, integer arithmetic, stable
+tie-breaking), so every rank computes the same plan without communication; every DP x CP rank must
+therefore be given the lengths of the whole micro-batch (not only of its own share).
+
+Idle groups: with fewer sequences than groups, the groups without a sequence get a dummy sequence of
+``alignment`` pad tokens whose labels are all ignored and whose loss mask is all False. The engine must
+run them exactly like real work (forward, loss, backward): the dummy forward takes part in the same TP
+and CP collectives as its peers, the backward produces (zero) parameter gradients so the DP x CP gradient
+reduction is entered by every rank, and its loss (token sum 0) adds nothing to the global loss.
+
+Loss: use :func:`global_loss_token_count` over the LOCAL loss masks (they partition the real tokens,
+dummy ones count 0) and divide each rank's token-sum loss by it (:func:`normalize_token_loss`). The sum
+over ranks of the gradients is then the no-CP gradient of the mean token loss. Megatron's DDP averages
+gradients over the DP x CP ranks by default: multiply the loss by ``n`` in that case (or let megatron-core
+sum, e.g. ``calculate_per_token_loss``), or the gradients come out ``n`` times too small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from verl_dyncp.groups import CPGroup, CPGroups
+from verl_dyncp.thd import THDBatch, build_thd_meta, gather_slots, preprocess_thd_engine, thd_alignment
+
+__all__ = [
+    "CPBlock",
+    "DynamicCPMicroBatch",
+    "DynamicCPPlan",
+    "MixedCPPlan",
+    "WorkloadModel",
+    "all_reduce_loss",
+    "dynamic_cp_merge_output",
+    "dynamic_cp_size",
+    "dynamic_cp_split_batch",
+    "dynamic_cp_take",
+    "global_loss_token_count",
+    "normalize_token_loss",
+    "plan_dynamic_cp",
+    "plan_mixed_cp",
+]
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """Cost of one sequence of ``L`` tokens: ``quadratic * L**2 + linear * L`` (integers, so plans are exact).
+
+    The quadratic term is attention; the linear term is everything per token (projections, MLP). For a
+    dense transformer of hidden size ``h`` the ratio is about ``12 * h`` (:meth:`for_transformer`).
+    """
+
+    quadratic: int = 1
+    linear: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("quadratic", "linear"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"WorkloadModel.{name} must be an int >= 0, got {v!r}")
+        if self.quadratic == 0 and self.linear == 0:
+            raise ValueError("WorkloadModel needs a non-zero quadratic or linear coefficient")
+
+    @classmethod
+    def for_transformer(cls, *, hidden_size: int) -> WorkloadModel:
+        """Attention ~ 2 L^2 h FLOPs per layer (causal), dense layers ~ 24 L h^2: ratio 12 h."""
+        return cls(quadratic=1, linear=12 * hidden_size)
+
+    def cost(self, length: int) -> int:
+        return self.quadratic * length * length + self.linear * length
+
+
+def _check_pos_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def dynamic_cp_size(longest: int, *, max_seqlen_per_dp_cp_rank: int, dp_cp_size: int) -> int:
+    """Smallest power of two ``k >= ceil(longest / max_seqlen_per_dp_cp_rank)``; error if no group is that big."""
+    _check_pos_int("longest", longest)
+    _check_pos_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
+    _check_pos_int("dp_cp_size", dp_cp_size)
+    if longest > max_seqlen_per_dp_cp_rank * dp_cp_size:
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit: at most max_seqlen_per_dp_cp_rank ({max_seqlen_per_dp_cp_rank})"
+            f" x DP x CP ranks ({dp_cp_size}) = {max_seqlen_per_dp_cp_rank * dp_cp_size} tokens per sequence;"
+            " raise max_seqlen_per_dp_cp_rank or the DP x CP size, or drop/truncate the sequence"
+        )
+    need = -(-longest // max_seqlen_per_dp_cp_rank)
+    k = 1 << (need - 1).bit_length()
+    if k > _largest_pow2_divisor(dp_cp_size):
+        raise ValueError(
+            f"a sequence of {longest} tokens needs a CP group of {k} ranks (max_seqlen_per_dp_cp_rank"
+            f" {max_seqlen_per_dp_cp_rank}) but the {dp_cp_size} DP x CP ranks form power-of-two groups of at most"
+            f" {_largest_pow2_divisor(dp_cp_size)}"
+        )
+    return k
+
+
+@dataclass(frozen=True)
+class CPBlock:
+    """An aligned block of ``size`` DP x CP ranks (positions ``offset .. offset+size-1``) running ``sequences``
+    with local CP size ``size``; no sequences means dummy work. ``load`` is its workload."""
+
+    offset: int
+    size: int
+    sequences: tuple[int, ...]
+    load: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.size & (self.size - 1):
+            raise ValueError(f"CPBlock.size must be a power of two >= 1, got {self.size}")
+        if self.offset < 0 or self.offset % self.size:
+            raise ValueError(f"CPBlock.offset {self.offset} is not aligned to its size {self.size}")
+        if list(self.sequences) != sorted(set(self.sequences)):
+            raise ValueError(f"CPBlock.sequences must be ascending and distinct, got {self.sequences}")
+
+
+def _check_blocks(
+    seq_lens: tuple[int, ...], dp_cp_size: int, blocks: tuple[CPBlock, ...], owner: str
+) -> None:
+    if not seq_lens:
+        raise ValueError(f"{owner}.seq_lens is empty")
+    position = 0
+    for b in blocks:
+        if b.offset != position:
+            raise ValueError(
+                f"{owner}: block at offset {b.offset} where position {position} was expected (gap or overlap)"
+            )
+        position += b.size
+    if position != dp_cp_size:
+        raise ValueError(f"{owner}: the blocks cover {position} DP x CP ranks, expected {dp_cp_size}")
+    flat = sorted(i for b in blocks for i in b.sequences)
+    if flat != list(range(len(seq_lens))):
+        raise ValueError(f"{owner}: the blocks must hold every sequence index exactly once")
+
+
+@dataclass(frozen=True)
+class DynamicCPPlan:
+    """Which sequences each of the ``dp_cp_size / cp_size`` groups runs, from the lengths alone.
+
+    ``assignments[g]`` are the original indices (ascending) of the sequences group ``g`` (ranks
+    ``g*k .. g*k+k-1`` of the DP x CP list) runs; an empty tuple marks an idle group (dummy work).
+    ``loads[g]`` is the group's total :class:`WorkloadModel` cost.
+    """
+
+    seq_lens: tuple[int, ...]
+    dp_cp_size: int
+    cp_size: int
+    assignments: tuple[tuple[int, ...], ...]
+    loads: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens:
+            raise ValueError("DynamicCPPlan.seq_lens is empty")
+        if self.cp_size < 1 or self.cp_size & (self.cp_size - 1) or self.dp_cp_size % self.cp_size:
+            raise ValueError(
+                f"DynamicCPPlan.cp_size must be a power of two dividing dp_cp_size {self.dp_cp_size}, got {self.cp_size}"
+            )
+        if len(self.assignments) != self.num_groups or len(self.loads) != self.num_groups:
+            raise ValueError(
+                f"DynamicCPPlan needs {self.num_groups} assignments and loads, got {len(self.assignments)} and {len(self.loads)}"
+            )
+        flat = sorted(i for a in self.assignments for i in a)
+        if flat != list(range(len(self.seq_lens))):
+            raise ValueError("DynamicCPPlan.assignments must hold every sequence index exactly once")
+        if any(list(a) != sorted(a) for a in self.assignments):
+            raise ValueError("DynamicCPPlan.assignments must be ascending within each group")
+
+    @property
+    def num_groups(self) -> int:
+        return self.dp_cp_size // self.cp_size
+
+    @property
+    def idle_groups(self) -> tuple[int, ...]:
+        """Groups that run only a dummy sequence."""
+        return tuple(g for g, a in enumerate(self.assignments) if not a)
+
+    @property
+    def blocks(self) -> tuple[CPBlock, ...]:
+        """The plan as blocks (all of size ``cp_size``), the form split and merge work on."""
+        k = self.cp_size
+        return tuple(
+            CPBlock(offset=g * k, size=k, sequences=a, load=load)
+            for g, (a, load) in enumerate(zip(self.assignments, self.loads, strict=True))
+        )
+
+
+@dataclass(frozen=True)
+class MixedCPPlan:
+    """A plan with a CP size per block: long sequences on large blocks, short ones on small blocks.
+
+    ``blocks`` cover the DP x CP positions ``0 .. dp_cp_size-1`` in order, each aligned to its size
+    (sizes descending, so each is one of :class:`CPGroups`' groups).
+    """
+
+    seq_lens: tuple[int, ...]
+    dp_cp_size: int
+    blocks: tuple[CPBlock, ...]
+
+    def __post_init__(self) -> None:
+        _check_blocks(self.seq_lens, self.dp_cp_size, self.blocks, "MixedCPPlan")
+
+    @property
+    def cp_sizes(self) -> tuple[int, ...]:
+        """The distinct block sizes, descending."""
+        return tuple(sorted({b.size for b in self.blocks}, reverse=True))
+
+
+def plan_dynamic_cp(
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    dp_cp_size: int,
+    max_seqlen_per_dp_cp_rank: int | None = None,
+    static_cp_size: int | None = None,
+    workload: WorkloadModel | None = None,
+) -> DynamicCPPlan:
+    """The plan for one micro-batch: dynamic ``k`` from ``max_seqlen_per_dp_cp_rank``, or ``static_cp_size``."""
+    lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
+    if not lens:
+        raise ValueError(
+            "empty micro-batch: no sequences to plan; every DP x CP rank needs at least one sequence in the"
+            " micro-batch (drop empty micro-batches before splitting)"
+        )
+    bad = [(i, n) for i, n in enumerate(lens) if n < 1]
+    if bad:
+        raise ValueError(
+            f"every sequence needs at least one token; (index, length) of the bad ones: {bad[:8]}"
+        )
+    _check_pos_int("dp_cp_size", dp_cp_size)
+    longest = max(lens)
+    if static_cp_size is not None:
+        k = _check_pos_int("static_cp_size", static_cp_size)
+        if k & (k - 1) or dp_cp_size % k:
+            raise ValueError(
+                f"static_cp_size must be a power of two dividing dp_cp_size {dp_cp_size}, got {k}"
+            )
+        if max_seqlen_per_dp_cp_rank is not None and longest > k * max_seqlen_per_dp_cp_rank:
+            raise ValueError(
+                f"a sequence of {longest} tokens does not fit static CP {k} x max_seqlen_per_dp_cp_rank"
+                f" {max_seqlen_per_dp_cp_rank} = {k * max_seqlen_per_dp_cp_rank} tokens"
+            )
+    else:
+        if max_seqlen_per_dp_cp_rank is None:
+            raise ValueError("dynamic CP needs max_seqlen_per_dp_cp_rank (or give static_cp_size)")
+        k = dynamic_cp_size(
+            longest, max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank, dp_cp_size=dp_cp_size
+        )
+    model = workload or WorkloadModel()
+    groups = dp_cp_size // k
+    costs = [model.cost(n) for n in lens]
+    order = sorted(range(len(lens)), key=lambda i: (-costs[i], i))
+    loads = [0] * groups
+    counts = [0] * groups
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for i in order:
+        # least load; then fewer sequences (so zero-cost ties still spread); then lower index
+        g = min(range(groups), key=lambda g: (loads[g], counts[g], g))
+        members[g].append(i)
+        loads[g] += costs[i]
+        counts[g] += 1
+    return DynamicCPPlan(
+        seq_lens=lens,
+        dp_cp_size=dp_cp_size,
+        cp_size=k,
+        assignments=tuple(tuple(sorted(m)) for m in members),
+        loads=tuple(loads),
+    )
+
+
+def _lpt(indices: Sequence[int], costs: Sequence[int], bins: int) -> tuple[list[list[int]], list[int]]:
+    order = sorted(indices, key=lambda i: (-costs[i], i))
+    loads, counts = [0] * bins, [0] * bins
+    members: list[list[int]] = [[] for _ in range(bins)]
+    for i in order:
+        g = min(range(bins), key=lambda g: (loads[g], counts[g], g))
+        members[g].append(i)
+        loads[g] += costs[i]
+        counts[g] += 1
+    return [sorted(m) for m in members], loads
+
+
+def plan_mixed_cp(
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    dp_cp_size: int,
+    max_seqlen_per_dp_cp_rank: int,
+    workload: WorkloadModel | None = None,
+) -> MixedCPPlan:
+    """Several CP sizes in one micro-batch: each sequence on a block of the size it needs.
+
+    Every sequence needs ``k_i = dynamic_cp_size(L_i)``. Sequences of equal ``k`` form a class; each class
+    gets one block of its size, largest classes first (a class that no longer fits runs on the smallest
+    block size already reserved, which is larger: a short sequence may always use more ranks). The ranks
+    left are handed out one block at a time to the class with the highest workload per rank that still
+    has more sequences than blocks and whose size fits; then LPT inside each class. Ranks still left
+    become idle size-1 blocks (dummy work). Blocks are laid out by size, descending, so each block is
+    aligned. Deterministic, from the lengths only. Whether it beats one ``k`` per micro-batch depends on
+    the communication cost of the small groups: measure on GPUs before making it the default.
+    """
+    lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
+    if not lens:
+        raise ValueError("empty micro-batch: no sequences to plan")
+    _check_pos_int("dp_cp_size", dp_cp_size)
+    model = workload or WorkloadModel()
+    need = [
+        dynamic_cp_size(n, max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank, dp_cp_size=dp_cp_size)
+        for n in lens
+    ]
+    costs = [model.cost(n) for n in lens]
+    classes: dict[int, list[int]] = {}
+    remaining = dp_cp_size
+    for k in sorted(set(need), reverse=True):
+        members = [i for i in range(len(lens)) if need[i] == k]
+        if k <= remaining:
+            classes[k] = members
+            remaining -= k
+        else:  # no room for another block: run these on the smallest block size reserved so far
+            classes[min(classes)].extend(members)
+    blocks_of = dict.fromkeys(classes, 1)
+    load = {k: sum(costs[i] for i in m) for k, m in classes.items()}
+    while True:
+        useful = [k for k in classes if k <= remaining and len(classes[k]) > blocks_of[k]]
+        if not useful:
+            break
+        # highest load per rank: load[k] / (blocks_of[k] * k), compared exactly by cross-multiplication
+        best = useful[0]
+        for k in useful[1:]:
+            if load[k] * blocks_of[best] * best > load[best] * blocks_of[k] * k:
+                best = k
+        blocks_of[best] += 1
+        remaining -= best
+    blocks: list[CPBlock] = []
+    offset = 0
+    for k in sorted(classes, reverse=True):
+        members, loads = _lpt(sorted(classes[k]), costs, blocks_of[k])
+        for m, block_load in zip(members, loads, strict=True):
+            blocks.append(CPBlock(offset=offset, size=k, sequences=tuple(m), load=block_load))
+            offset += k
+    blocks.extend(CPBlock(offset=offset + j, size=1, sequences=(), load=0) for j in range(remaining))
+    return MixedCPPlan(seq_lens=lens, dp_cp_size=dp_cp_size, blocks=tuple(blocks))
+
+
+def _block_of(plan: DynamicCPPlan | MixedCPPlan, position: int) -> CPBlock:
+    for b in plan.blocks:
+        if b.offset <= position < b.offset + b.size:
+            return b
+    raise ValueError(f"DP x CP position {position} is outside the plan's {plan.dp_cp_size} ranks")
+
+
+@dataclass(frozen=True, eq=False)
+class DynamicCPMicroBatch:
+    """This rank's part of a planned micro-batch: its CP group, its sequences and its local THD inputs.
+
+    ``batch`` is the :class:`THDBatch` of the group's sequences (in ascending original order) for this
+    rank's CP rank; for an idle group it is the dummy sequence (``is_dummy``, loss mask all False).
+    """
+
+    plan: DynamicCPPlan | MixedCPPlan
+    block: CPBlock
+    group: CPGroup
+    sequence_indices: tuple[int, ...]
+    is_dummy: bool
+    batch: THDBatch
+
+    def __post_init__(self) -> None:
+        if self.group.size != self.block.size or self.group.index * self.group.size != self.block.offset:
+            raise ValueError(
+                f"CP group {self.group.index} of size {self.group.size} is not the plan's block at offset"
+                f" {self.block.offset} of size {self.block.size}"
+            )
+        if self.block not in self.plan.blocks:
+            raise ValueError("the block is not one of the plan's blocks")
+        if self.sequence_indices != self.block.sequences:
+            raise ValueError("sequence_indices differ from the plan's assignment for this block")
+        if self.is_dummy != (not self.sequence_indices):
+            raise ValueError("is_dummy must be True exactly when the group has no sequence")
+
+
+def _packed_index(seq_lens: Sequence[int], indices: Sequence[int]) -> torch.Tensor:
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    if not indices:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in indices])
+
+
+def dynamic_cp_split_batch(
+    input_ids: torch.Tensor,
+    *,
+    seq_lens: Sequence[int] | torch.Tensor,
+    groups: CPGroups,
+    max_seqlen_per_dp_cp_rank: int | None = None,
+    static_cp_size: int | None = None,
+    tp_size: int = 1,
+    pad_value: int = 0,
+    ignore_index: int = -100,
+    label_mask: torch.Tensor | None = None,
+    workload: WorkloadModel | None = None,
+    mixed: bool = False,
+) -> DynamicCPMicroBatch:
+    """Plan the packed micro-batch and return this rank's local THD inputs.
+
+    ``input_ids`` (and ``label_mask``, if given) hold the whole micro-batch packed (dim 0 =
+    ``sum(seq_lens)``) on every DP x CP rank; split other per-token tensors of the micro-batch (advantages,
+    old log-probs, ...) with :func:`dynamic_cp_take`.
+    """
+    plan: DynamicCPPlan | MixedCPPlan
+    if mixed:
+        if static_cp_size is not None or max_seqlen_per_dp_cp_rank is None:
+            raise ValueError(
+                "mixed=True plans dynamic CP: give max_seqlen_per_dp_cp_rank and no static_cp_size"
+            )
+        plan = plan_mixed_cp(
+            seq_lens,
+            dp_cp_size=groups.world_size,
+            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
+            workload=workload,
+        )
+    else:
+        plan = plan_dynamic_cp(
+            seq_lens,
+            dp_cp_size=groups.world_size,
+            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
+            static_cp_size=static_cp_size,
+            workload=workload,
+        )
+    if input_ids.dim() == 0 or input_ids.shape[0] != sum(plan.seq_lens):
+        raise ValueError(
+            f"input_ids must be packed with {sum(plan.seq_lens)} tokens in dim 0, got shape {tuple(input_ids.shape)}"
+        )
+    block = _block_of(plan, groups.position)
+    k = block.size
+    group = groups.group(k)
+    mine = block.sequences
+    if mine:
+        index = _packed_index(plan.seq_lens, mine).to(input_ids.device)
+        batch = preprocess_thd_engine(
+            input_ids.index_select(0, index),
+            seq_lens=[plan.seq_lens[i] for i in mine],
+            cp_size=k,
+            cp_rank=group.rank,
+            tp_size=tp_size,
+            pad_value=pad_value,
+            ignore_index=ignore_index,
+            label_mask=None
+            if label_mask is None
+            else label_mask.index_select(0, index.to(label_mask.device)),
+        )
+    else:
+        n = thd_alignment(cp_size=k, tp_size=tp_size)
+        dummy = torch.full(
+            (n, *input_ids.shape[1:]), pad_value, dtype=input_ids.dtype, device=input_ids.device
+        )
+        batch = preprocess_thd_engine(
+            dummy,
+            seq_lens=[n],
+            cp_size=k,
+            cp_rank=group.rank,
+            tp_size=tp_size,
+            pad_value=pad_value,
+            ignore_index=ignore_index,
+            label_mask=torch.zeros(n, dtype=torch.bool, device=input_ids.device),
+        )
+        batch = replace(batch, labels=torch.full_like(batch.labels, ignore_index))
+    return DynamicCPMicroBatch(
+        plan=plan, block=block, group=group, sequence_indices=mine, is_dummy=not mine, batch=batch
+    )
+
+
+def dynamic_cp_take(
+    tensor: torch.Tensor, *, micro_batch: DynamicCPMicroBatch, pad_value: float | bool = 0
+) -> torch.Tensor:
+    """This rank's local share of another packed per-token tensor of the whole micro-batch (e.g. advantages)."""
+    if micro_batch.is_dummy:
+        n = micro_batch.batch.meta.local_tokens
+        return torch.full((n, *tensor.shape[1:]), pad_value, dtype=tensor.dtype, device=tensor.device)
+    index = _packed_index(micro_batch.plan.seq_lens, micro_batch.sequence_indices).to(tensor.device)
+    return micro_batch.batch.meta.take(tensor.index_select(0, index), pad_value=pad_value)
+
+
+def _merge_index(plan: DynamicCPPlan | MixedCPPlan, *, tp_size: int) -> tuple[list[int], torch.Tensor]:
+    """Local length of every DP x CP rank and, per original packed token, its index in the gathered buffer."""
+    lens: list[int] = []
+    index = torch.empty(sum(plan.seq_lens), dtype=torch.int64)
+    offset = 0
+    for block in plan.blocks:
+        k = block.size
+        if not block.sequences:
+            local = thd_alignment(cp_size=k, tp_size=tp_size) // k
+        else:
+            meta = build_thd_meta(
+                seq_lens=[plan.seq_lens[i] for i in block.sequences], cp_size=k, cp_rank=0, tp_size=tp_size
+            )
+            local = meta.local_tokens
+            index[_packed_index(plan.seq_lens, block.sequences)] = offset + meta.unpadded_to_gathered
+        lens.extend([local] * k)
+        offset += local * k
+    return lens, index
+
+
+def dynamic_cp_merge_output(
+    local_output: torch.Tensor, *, micro_batch: DynamicCPMicroBatch, groups: CPGroups
+) -> torch.Tensor:
+    """Gather every rank's local per-token output and return the whole micro-batch packed, in original order.
+
+    One all-gather over the DP x CP ranks (buffers padded to the longest local length). Every rank gets
+    the full result; this rank's slot is ``local_output`` itself, so a loss on the merged output sends
+    gradients only into this rank's own tokens (sum of the ranks' gradients = the no-CP gradient).
+    Dtype and trailing dims are kept. Dummy ranks' outputs are dropped.
+    """
+    plan = micro_batch.plan
+    lens, index = _merge_index(plan, tp_size=micro_batch.batch.meta.tp_size)
+    gathered = gather_slots(local_output, group=groups.full_group, rank=groups.position, lens=lens)
+    return gathered.index_select(0, index.to(gathered.device))
+
+
+def global_loss_token_count(
+    local_loss_mask: torch.Tensor, *, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Number of loss tokens of the whole micro-batch: the LOCAL masks summed over the DP x CP ranks.
+
+    The local masks (from the split) partition the real tokens and dummy ranks contribute 0, so no token
+    is counted twice. Returns an int64 scalar on the mask's device (``group`` None: no reduction).
+    """
+    count = local_loss_mask.to(torch.int64).sum()
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def normalize_token_loss(
+    per_token_loss: torch.Tensor, *, loss_mask: torch.Tensor, global_token_count: torch.Tensor | int
+) -> torch.Tensor:
+    """``sum(per_token_loss[loss_mask]) / global_token_count`` (0 when there is no loss token anywhere).
+
+    With this on every rank (local tokens, or a group's merged tokens of which each rank back-propagates
+    only its own slot), the sum of the ranks' gradients is the no-CP gradient of the mean token loss.
+    """
+    if per_token_loss.shape != loss_mask.shape:
+        raise ValueError(
+            f"per_token_loss {tuple(per_token_loss.shape)} and loss_mask {tuple(loss_mask.shape)} differ in shape"
+        )
+    total = torch.where(loss_mask, per_token_loss, torch.zeros((), dtype=per_token_loss.dtype)).sum()
+    if isinstance(global_token_count, int):
+        return total / max(global_token_count, 1)
+    # stays on the device: no host synchronisation per micro-batch
+    return total / global_token_count.to(device=total.device, dtype=total.dtype).clamp(min=1)
+
+
+def all_reduce_loss(
+    loss: torch.Tensor, *, group: dist.ProcessGroup | None, duplication: int = 1
+) -> torch.Tensor:
+    """The global loss value for logging: sum of the ranks' normalised losses (detached).
+
+    ``duplication``: how many ranks computed each token's loss (1 for local per-token losses, the CP size
+    ``k`` when every rank of a group computed the loss on the group's merged outputs).
+    """
+    _check_pos_int("duplication", duplication)
+    value = loss.detach().clone() / duplication
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value

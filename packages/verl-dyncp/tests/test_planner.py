@@ -1,0 +1,166 @@
+"""Dynamic/static CP planning (pure) and split / merge / loss parity on gloo with 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from dyncp_workers import results
+
+from verl_dyncp.planner import (
+    CPBlock,
+    DynamicCPPlan,
+    MixedCPPlan,
+    WorkloadModel,
+    dynamic_cp_size,
+    plan_dynamic_cp,
+    plan_mixed_cp,
+)
+
+
+@pytest.mark.parametrize(("longest", "k"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)])
+def test_k_rule_table(longest: int, k: int) -> None:
+    assert dynamic_cp_size(longest, max_seqlen_per_dp_cp_rank=1, dp_cp_size=8) == k
+    # the same rule in tokens: ceil(longest / max) rounded up to a power of two
+    assert dynamic_cp_size(longest * 1000 - 1, max_seqlen_per_dp_cp_rank=1000, dp_cp_size=8) == k
+
+
+def test_errors_name_lengths_and_limits() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"sequence of 4097 tokens .* max_seqlen_per_dp_cp_rank \(1024\) x DP x CP ranks \(4\) = 4096",
+    ):
+        plan_dynamic_cp([10, 4097], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024)
+    with pytest.raises(ValueError, match="empty micro-batch"):
+        plan_dynamic_cp([], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024)
+    with pytest.raises(ValueError, match="dynamic CP needs max_seqlen_per_dp_cp_rank"):
+        plan_dynamic_cp([3], dp_cp_size=4)
+    with pytest.raises(
+        ValueError, match="static_cp_size must be a power of two dividing dp_cp_size 4, got 3"
+    ):
+        plan_dynamic_cp([3], dp_cp_size=4, static_cp_size=3)
+    with pytest.raises(
+        ValueError, match=r"sequence of 9 tokens does not fit static CP 2 x max_seqlen_per_dp_cp_rank 4 = 8"
+    ):
+        plan_dynamic_cp([9], dp_cp_size=4, static_cp_size=2, max_seqlen_per_dp_cp_rank=4)
+    with pytest.raises(ValueError, match=r"needs a CP group of 8 ranks .* groups of at most 2"):
+        plan_dynamic_cp([5], dp_cp_size=6, max_seqlen_per_dp_cp_rank=1)
+    with pytest.raises(ValueError, match="WorkloadModel.linear must be an int >= 0, got -1"):
+        WorkloadModel(linear=-1)
+    with pytest.raises(ValueError, match="every sequence index exactly once"):
+        DynamicCPPlan(seq_lens=(3, 4), dp_cp_size=2, cp_size=1, assignments=((0,), (0,)), loads=(9, 9))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("workload", [WorkloadModel(), WorkloadModel.for_transformer(hidden_size=64)])
+def test_balance_and_no_duplication(seed: int, workload: WorkloadModel) -> None:
+    rng = random.Random(seed)
+    lens = [min(int(rng.lognormvariate(6.0, 1.0)), 4096) + 1 for _ in range(rng.randint(9, 60))]
+    plan = plan_dynamic_cp(lens, dp_cp_size=16, max_seqlen_per_dp_cp_rank=1024, workload=workload)
+    assert plan.cp_size == dynamic_cp_size(max(lens), max_seqlen_per_dp_cp_rank=1024, dp_cp_size=16)
+    assert sorted(i for a in plan.assignments for i in a) == list(range(len(lens)))
+    costs = [workload.cost(n) for n in lens]
+    share = sum(costs) / plan.num_groups
+    assert max(plan.loads) <= share + max(costs)  # the LPT bound
+    assert all(load == sum(costs[i] for i in a) for load, a in zip(plan.loads, plan.assignments, strict=True))
+    if len(lens) >= plan.num_groups:
+        assert not plan.idle_groups
+    # deterministic: the same lengths give the same plan (every rank plans alone)
+    assert plan_dynamic_cp(lens, dp_cp_size=16, max_seqlen_per_dp_cp_rank=1024, workload=workload) == plan
+
+
+def test_fewer_sequences_than_groups_and_static() -> None:
+    plan = plan_dynamic_cp([5, 2], dp_cp_size=8, max_seqlen_per_dp_cp_rank=4)
+    assert plan.cp_size == 2 and plan.assignments == ((0,), (1,), (), ())
+    assert plan.idle_groups == (2, 3)
+    static = plan_dynamic_cp([5, 2, 7], dp_cp_size=8, static_cp_size=4)
+    assert static.cp_size == 4 and static.num_groups == 2 and static.assignments == ((2,), (0, 1))
+
+
+def _check_world(world: int) -> None:
+    per_rank = results(world)
+    names = ["dynamic_k1", "dynamic_k2", "dynamic_tp2", "few_seqs", "equal_lens", "mixed", "static"]
+    for rank, res in enumerate(per_rank):
+        pl = res["planner"]
+        for name in names:
+            case = pl[name]
+            # every rank planned the same thing on its own
+            assert case["assignments"] == per_rank[0]["planner"][name]["assignments"], (rank, name)
+            assert case["loss_rel"] <= 1e-5, (rank, name, case)
+            assert case["grad_rel"] <= 1e-5, (rank, name, case)
+            assert case["merge_grad_rel"] <= 1e-5, (rank, name, case)
+            assert case["merge_max_err"] <= 1e-6, (rank, name, case)
+            assert case["merge_dtype"] == "torch.float32"
+        assert pl["static"]["k"] == world
+        assert pl["merge_exact"] == (True, True)
+        assert pl["take_roundtrip"], "dynamic_cp_take then merge gives back another per-token tensor (bf16)"
+        few = pl["few_seqs"]
+        assert few["assignments"] == ((0,),) + ((),) * (world - 1)
+        assert few["is_dummy"] == (rank != 0)
+        if few["is_dummy"]:
+            assert few["dummy_grad_zero"] and few["local_loss"] == 0.0
+    assert [r["planner"]["dynamic_k2"]["k"] for r in per_rank] == [2] * world
+
+
+def test_gloo_two_ranks_match_no_cp() -> None:
+    """Split + local loss normalised by the global token count: loss value and dW equal the single-process
+    mean (rel <= 1e-5); the merged outputs come back in the original order, and a loss on them gives the
+    same gradients; dummy ranks give zero loss and zero gradients."""
+    _check_world(2)
+
+
+def test_gloo_four_ranks_match_no_cp() -> None:
+    _check_world(4)
+    per_rank = results(4)
+    assert per_rank[0]["planner"]["dynamic_k1"]["assignments"] == ((0,), (5,), (2, 4, 7), (1, 3, 6))
+    # mixed CP sizes in one step: the 30-token sequence on ranks 0-1 (CP 2), the rest on ranks 2 and 3 (CP 1)
+    mixed = per_rank[0]["planner"]["mixed"]
+    assert mixed["blocks"] == ((0, 2), (2, 1), (3, 1))
+    assert mixed["assignments"] == ((0,), (1, 4, 5), (2, 3, 6, 7))
+    assert [r["planner"]["mixed"]["k"] for r in per_rank] == [2, 2, 1, 1]
+
+
+def test_normalize_token_loss_without_process_group() -> None:
+    import torch
+
+    from verl_dyncp.planner import all_reduce_loss, global_loss_token_count, normalize_token_loss
+
+    per_token = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    mask = torch.tensor([True, True, False, True])
+    count = global_loss_token_count(mask, group=None)
+    assert count.dtype == torch.int64 and int(count) == 3
+    assert float(normalize_token_loss(per_token, loss_mask=mask, global_token_count=count)) == pytest.approx(
+        7 / 3
+    )
+    assert float(normalize_token_loss(per_token, loss_mask=mask, global_token_count=6)) == pytest.approx(
+        7 / 6
+    )
+    empty = torch.zeros(4, dtype=torch.bool)
+    assert float(normalize_token_loss(per_token, loss_mask=empty, global_token_count=0)) == 0.0
+    assert float(all_reduce_loss(torch.tensor(3.0), group=None, duplication=2)) == 1.5
+    with pytest.raises(ValueError, match="differ in shape"):
+        normalize_token_loss(per_token, loss_mask=mask[:2], global_token_count=3)
+
+
+def test_mixed_plan_sizes_blocks_by_need() -> None:
+    # needs: 4000 -> 4, 1500 -> 2, the rest 1 (max 1024 per rank), 8 ranks
+    lens = [4000, 1500, 300, 200, 100, 900, 50]
+    plan = plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024)
+    assert [(b.offset, b.size) for b in plan.blocks][:2] == [(0, 4), (4, 2)]
+    assert plan.blocks[0].sequences == (0,) and plan.blocks[1].sequences == (1,)
+    assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
+    assert all(b.offset % b.size == 0 for b in plan.blocks)
+    assert sum(b.size for b in plan.blocks) == 8
+    assert plan == plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024)
+    # no room for a separate size-1 block: the short ones share the size-2 block
+    tight = plan_mixed_cp([3000, 1500, 10], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024)
+    assert [(b.offset, b.size, b.sequences) for b in tight.blocks] == [(0, 4, (0, 1, 2))]
+    # one size only: identical to the one-k plan's grouping
+    same = plan_mixed_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8)
+    assert [b.sequences for b in same.blocks] == list(
+        plan_dynamic_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8).assignments
+    )
+    with pytest.raises(ValueError, match="not aligned to its size 2"):
+        CPBlock(offset=1, size=2, sequences=(), load=0)
+    with pytest.raises(ValueError, match="cover 2 DP x CP ranks, expected 4"):
+        MixedCPPlan(seq_lens=(3,), dp_cp_size=4, blocks=(CPBlock(offset=0, size=2, sequences=(0,), load=9),))
