@@ -28,6 +28,7 @@ __all__ = [
     "make_megatron_optimizer",
     "make_packed_seq_params",
     "mcore_version",
+    "megatron_fsdp_grad_precision",
     "mtp_tracker",
     "packed_seq_params_fields",
 ]
@@ -210,3 +211,22 @@ def mtp_tracker() -> MTPTracker:
         reduce=pick("reduce_metrics_in_tracker", "reduce_loss_in_tracker"),
         track=pick("track_mtp_metrics"),
     )
+
+
+def megatron_fsdp_grad_precision(*, fp32: bool) -> dict[str, Any]:
+    """DDP-config fields that give Megatron-FSDP fp32 (or model-dtype) main gradients on this release.
+
+    <= 0.16 only know ``grad_reduce_in_fp32``; 0.17 added ``megatron_fsdp_main_grads_dtype`` /
+    ``megatron_fsdp_grad_comm_dtype`` (both honoured in 0.17-0.18); 0.19 ignores ``grad_reduce_in_fp32``
+    for Megatron-FSDP, so the dtype fields are the only switch there. Setting both where both exist is
+    consistent on every release.
+    """
+    import torch
+
+    fields: dict[str, Any] = {"grad_reduce_in_fp32": fp32}
+    available = set(ddp_config_fields())
+    dtype = torch.float32 if fp32 else None  # None: the model's compute dtype
+    for name in ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"):
+        if name in available:
+            fields[name] = dtype
+    return fields

@@ -1,0 +1,116 @@
+"""Megatron-FSDP DDP settings: one flag, the same meaning on every construction path and release.
+
+verl made ``use_megatron_fsdp`` one flag but honoured it on one construction path only. Here the
+settings are computed by :func:`megatron_fsdp_ddp_config` and handed to verl-mcore-utils'
+``build_ddp_config`` (the only place a DDP config is made), so every path that wraps through
+``make_megatron_module`` gets them. Rules (verl-features.md section 6):
+
+* use_distributed_optimizer is forced true: Megatron-FSDP owns the sharded optimizer state, so a
+  user's ``false`` (wrap config or override) is a contradiction and an error, not a silent change;
+* filled only when absent from ``override_ddp_config``: use_megatron_fsdp, data_parallel_sharding_strategy
+  ``optim_grads_params`` (ZeRO-3), overlap_grad_reduce, check_for_nan_in_grad, and fp32 main gradients
+  in the fields the installed megatron-core reads (0.19 ignores grad_reduce_in_fp32 for FSDP);
+* ``override_ddp_config`` wins for everything else; ``grad_reduce_in_fp32: false`` there switches the
+  per-release gradient dtype fields together;
+* pipeline parallelism and an unknown sharding strategy are errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from verl_mcore_utils.compat import megatron_fsdp_grad_precision
+from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+
+__all__ = ["SHARDING_STRATEGIES", "megatron_fsdp_ddp_config", "megatron_fsdp_defaults"]
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def _dtype(key: str, name: str) -> Any:
+    """Config files cannot hold a torch.dtype: accept its name (``bf16``, ``float32`` ...)."""
+    import torch
+
+    if name.lower() not in _DTYPE_NAMES:
+        raise ValueError(f"{key} {name!r} is not a dtype name; use one of {', '.join(_DTYPE_NAMES)} or null")
+    return getattr(torch, _DTYPE_NAMES[name.lower()])
+
+
+def megatron_fsdp_defaults(*, override_ddp_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The Megatron-FSDP path defaults for the installed megatron-core (lowest precedence)."""
+    overrides = dict(override_ddp_config or {})
+    fp32_grads = bool(overrides.get("grad_reduce_in_fp32", True))
+    return {
+        "use_megatron_fsdp": True,
+        "data_parallel_sharding_strategy": "optim_grads_params",
+        "overlap_grad_reduce": True,
+        "check_for_nan_in_grad": True,
+        **megatron_fsdp_grad_precision(fp32=fp32_grads),
+    }
+
+
+def megatron_fsdp_ddp_config(
+    *,
+    wrap_config: WrapConfig,
+    override_ddp_config: Mapping[str, Any] | None = None,
+    pipeline_model_parallel_size: int = 1,
+) -> Any:
+    """The DistributedDataParallelConfig of a Megatron-FSDP model (None when not wrapping).
+
+    Raises ValueError naming the setting for every contradiction listed in the module docstring.
+    """
+    overrides = dict(override_ddp_config or {})
+    if not wrap_config.use_megatron_fsdp:
+        raise ValueError(
+            "megatron_fsdp_ddp_config needs WrapConfig(use_megatron_fsdp=True); for plain DDP use"
+            " verl_mcore_utils.build_ddp_config"
+        )
+    if overrides.get("use_megatron_fsdp") is False:
+        raise ValueError(
+            "override_ddp_config.use_megatron_fsdp is false but use_megatron_fsdp is true; remove the override"
+            " or set use_megatron_fsdp=false"
+        )
+    for key, value in (
+        ("use_distributed_optimizer", wrap_config.use_distributed_optimizer),
+        ("override_ddp_config.use_distributed_optimizer", overrides.get("use_distributed_optimizer", True)),
+    ):
+        if value is False:
+            raise ValueError(
+                f"{key} is false but use_megatron_fsdp is true; Megatron-FSDP shards the optimizer state and"
+                " requires the distributed optimizer: remove the setting or set use_megatron_fsdp=false"
+            )
+    if pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_model_parallel_size is {pipeline_model_parallel_size} but use_megatron_fsdp is true;"
+            " Megatron-FSDP does not support pipeline parallelism: set pipeline_model_parallel_size=1"
+        )
+    strategy = overrides.get("data_parallel_sharding_strategy", "optim_grads_params")
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"override_ddp_config.data_parallel_sharding_strategy {strategy!r} is not one of"
+            f" {', '.join(SHARDING_STRATEGIES)}"
+        )
+    for key, value in list(overrides.items()):
+        if key.endswith("_dtype") and isinstance(value, str):
+            overrides[key] = _dtype(f"override_ddp_config.{key}", value)
+    defaults = megatron_fsdp_defaults(override_ddp_config=overrides)
+    return build_ddp_config(
+        wrap_config=WrapConfig(
+            is_value_model=wrap_config.is_value_model,
+            share_embeddings_and_output_weights=wrap_config.share_embeddings_and_output_weights,
+            wrap_with_ddp=wrap_config.wrap_with_ddp,
+            use_distributed_optimizer=True,
+            use_megatron_fsdp=True,
+        ),
+        override_ddp_config=overrides,
+        path_defaults=defaults,
+    )
