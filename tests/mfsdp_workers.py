@@ -1,0 +1,92 @@
+"""Spawned-rank workers for the Megatron-FSDP GPU tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def train_steps(
+    rank: int, world_size: int, backend_kind: str, steps: int, strategy: str | None
+) -> dict[str, Any]:
+    """``steps`` Adam steps of a tiny Qwen2 on fixed data with DDP + distributed optimizer or Megatron-FSDP."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from verl_mcore_utils.compat import make_megatron_optimizer
+    from verl_mcore_utils.ddp import WrapConfig
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+    from verl_mfsdp.wrap import (
+        make_megatron_fsdp_module,
+        make_megatron_fsdp_optimizer,
+        synchronize_megatron_fsdp_params,
+    )
+
+    init_parallel(device="cuda")
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(0)
+    hf = tiny_hf_config("qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=4).to_dict()
+    tf = hf_to_transformer_config(hf, dtype="bfloat16")
+    provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=3e-3,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
+    if backend_kind == "fsdp":
+        override = {"data_parallel_sharding_strategy": strategy} if strategy else {}
+        chunks = make_megatron_fsdp_module(
+            provider, wrap_config=WrapConfig(use_megatron_fsdp=True), override_ddp_config=override
+        )
+        opt = make_megatron_fsdp_optimizer(opt_cfg, chunks)
+    else:
+        chunks = make_megatron_module(
+            provider,
+            wrap_config=WrapConfig(use_distributed_optimizer=True),
+            override_ddp_config={"grad_reduce_in_fp32": True},
+        )
+        opt = make_megatron_optimizer(opt_cfg, chunks)
+    attach_training_hooks(chunks, opt)
+    gen = torch.Generator("cuda").manual_seed(100 + rank)
+    data = [torch.randint(0, 128, (4, 32), device="cuda", generator=gen) for _ in range(2)]
+    pos = torch.arange(32, device="cuda").expand(4, 32)
+
+    def forward_step(it: Any, model: Any) -> Any:
+        tokens = next(it)
+        out = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens)
+
+        def loss_func(output: torch.Tensor) -> Any:
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    losses, norms = [], []
+    for _ in range(steps):
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        result = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(data),
+            model=chunks,
+            num_microbatches=2,
+            seq_length=32,
+            micro_batch_size=4,
+            forward_only=False,
+        )
+        _, grad_norm, _ = opt.step()
+        local = torch.stack([r["loss"] for r in result]).mean()
+        torch.distributed.all_reduce(local)
+        losses.append(float(local) / world_size)
+        norms.append(float(grad_norm))
+    synced = synchronize_megatron_fsdp_params(chunks) if backend_kind == "fsdp" else None
+    return {"losses": losses, "grad_norms": norms, "wrapper": type(chunks[0]).__name__, "synced": synced}
