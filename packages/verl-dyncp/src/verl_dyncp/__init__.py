@@ -1,9 +1,89 @@
 """verl_dyncp: context parallelism for packed (THD) sequences on megatron-core, static and dynamic.
 
-The package is part of the workspace layout; its API (core attention for THD + CP, the THD pre/post
-processing, CP groups and the dynamic-CP planner) is not implemented yet and nothing is exported.
+Public API:
+
+* groups: :class:`CPGroups` (aligned power-of-two sub-groups of the DP x CP ranks, sizes 1..n, created once).
+* layout: :func:`preprocess_thd_engine` / :func:`postprocess_thd_engine` (zigzag split, alignment tp*cp*2,
+  true positions, labels patched at chunk borders, dtype kept, gradients only through the local slot).
+* planning: :func:`dynamic_cp_split_batch` / :func:`dynamic_cp_merge_output` (CP size per micro-batch from
+  ``max_seqlen_per_dp_cp_rank``, workload-balanced groups, idle groups still in every collective),
+  loss normalisation by the global token count; static CP is the same with a fixed size.
+* attention: :class:`DynCPCoreAttention` / :func:`dyncp_core_attention` (megatron-core core attention for THD +
+  a CP group that may change on every call, RoPE from true positions, no Transformer Engine),
+  :func:`attach_cp_context`, :func:`thd_layer_spec`, :func:`build_thd_gpt_model`.
+
+The megatron-dependent names are imported lazily, so the torch-only parts (groups, layout, planner,
+attention math) can be used, and spawned test ranks start, without importing megatron-core.
 """
+
+from typing import Any
+
+from verl_dyncp.groups import CPGroup, CPGroups
+from verl_dyncp.planner import (
+    DynamicCPMicroBatch,
+    DynamicCPPlan,
+    WorkloadModel,
+    all_reduce_loss,
+    dynamic_cp_merge_output,
+    dynamic_cp_size,
+    dynamic_cp_split_batch,
+    dynamic_cp_take,
+    global_loss_token_count,
+    normalize_token_loss,
+    plan_dynamic_cp,
+    plan_mixed_cp,
+)
+from verl_dyncp.thd import (
+    THDBatch,
+    THDPackedMeta,
+    build_thd_meta,
+    postprocess_thd_engine,
+    preprocess_thd_engine,
+)
+from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention
 
 __version__ = "0.1.0.dev0"
 
-__all__: list[str] = []
+_LAZY = {
+    "DynCPCoreAttention": "verl_dyncp.attention",
+    "dyncp_core_attention": "verl_dyncp.attention",
+    "thd_layer_spec": "verl_dyncp.model",
+    "build_thd_gpt_model": "verl_dyncp.model",
+}
+
+__all__ = [
+    "CPContext",
+    "CPGroup",
+    "CPGroups",
+    "DynCPCoreAttention",
+    "DynamicCPMicroBatch",
+    "DynamicCPPlan",
+    "THDBatch",
+    "THDPackedMeta",
+    "WorkloadModel",
+    "all_reduce_loss",
+    "attach_cp_context",
+    "build_thd_gpt_model",
+    "build_thd_meta",
+    "dynamic_cp_merge_output",
+    "dynamic_cp_size",
+    "dynamic_cp_split_batch",
+    "dynamic_cp_take",
+    "dyncp_core_attention",
+    "global_loss_token_count",
+    "normalize_token_loss",
+    "plan_dynamic_cp",
+    "plan_mixed_cp",
+    "postprocess_thd_engine",
+    "preprocess_thd_engine",
+    "thd_attention",
+    "thd_layer_spec",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'verl_dyncp' has no attribute {name!r}")

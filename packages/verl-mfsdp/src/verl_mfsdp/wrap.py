@@ -60,13 +60,29 @@ def make_megatron_fsdp_module(
     from megatron.core.distributed import FullyShardedDataParallel
 
     config = get_model_config(chunks)
+    _broadcast_from_data_parallel_source(chunks, parallel_state)
     wrapped = [
         FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
-    for chunk in wrapped:
-        chunk.broadcast_params()
     return wrapped
+
+
+def _broadcast_from_data_parallel_source(chunks: Sequence[torch.nn.Module], parallel_state: Any) -> None:
+    """Make every data-parallel replica start from the same weights BEFORE sharding.
+
+    DDP's ``broadcast_params`` does this after wrapping; Megatron-FSDP's version broadcasts its DTensor
+    shards, which torch (2.11) refuses ("c10d.broadcast_ has no sharding strategy"), and would be
+    meaningless for sharded parameters anyway. Broadcasting the plain tensors first is equivalent.
+    """
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    src = parallel_state.get_data_parallel_src_rank(with_context_parallel=True)
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                torch.distributed.broadcast(param.data, src=src, group=group)
 
 
 def make_megatron_fsdp_optimizer(optimizer_config: Any, model_chunks: Sequence[torch.nn.Module]) -> Any:

@@ -1,0 +1,86 @@
+"""GPT layer spec and model whose attention handles THD batches under any (dynamic) CP size.
+
+How RoPE moves out of megatron-core (0.14 to 0.19 alike): the GPTModel is built with
+``position_embedding_type="none"``, so GPTModel._preprocess makes no ``rotary_pos_emb`` and
+``Attention.forward`` skips its RoPE (it only rotates when ``rotary_pos_emb`` is not None, and it is the
+step that would slice frequencies with the static CP group and ``cu_seqlens``). The core attention of
+:func:`thd_layer_spec` then rotates q and k (after megatron's optional q/k layernorm, the same order as
+megatron's own RoPE) with the true position of every local token. The embedding adds no learned position
+table for "none", ``position_ids`` passed to GPTModel.forward are ignored, and the checkpoint is unchanged
+(RoPE has no parameters), so Hugging Face weights load as for the standard model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_mcore_utils.compat import hf_rope_parameters, import_megatron_core
+from verl_mcore_utils.model import local_layer_spec
+from verl_mcore_utils.transformer_config import hf_get
+
+import_megatron_core()
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from verl_dyncp.attention import dyncp_core_attention  # noqa: E402
+
+__all__ = ["build_thd_gpt_model", "thd_layer_spec"]
+
+
+def thd_layer_spec(
+    tf_config: TransformerConfig,
+    *,
+    rotary_base: float | None,
+    rotary_percent: float = 1.0,
+    kernel: str = "auto",
+) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with DynCPCoreAttention.
+
+    RoPE is applied inside the attention when ``rotary_base`` is set (build the model with
+    ``position_embedding_type="none"``, as :func:`build_thd_gpt_model` does).
+    """
+    return local_layer_spec(
+        tf_config,
+        core_attention=dyncp_core_attention(
+            rotary_base=rotary_base, rotary_percent=rotary_percent, kernel=kernel
+        ),
+    )
+
+
+def build_thd_gpt_model(
+    *,
+    hf_config: Mapping[str, Any] | Any,
+    tf_config: TransformerConfig,
+    device: torch.device | str,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vocab_size: int | None = None,
+    vp_stage: int | None = None,
+    kernel: str = "auto",
+) -> GPTModel:
+    """A GPTModel for ``hf_config`` that takes THD batches with a per-batch CP group (see module docstring).
+
+    Plain RoPE only: scaled variants are refused rather than silently built unscaled.
+    """
+    rope = hf_rope_parameters(hf_config)
+    if rope["rope_type"] != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} (rope scaling) is not supported; only plain RoPE")
+    partial = float(hf_get(hf_config, "partial_rotary_factor", 1.0) or 1.0)
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=thd_layer_spec(
+            tf_config, rotary_base=rope["rope_theta"], rotary_percent=partial, kernel=kernel
+        ),
+        vocab_size=vocab_size if vocab_size is not None else hf_get(hf_config, "vocab_size"),
+        max_sequence_length=hf_get(hf_config, "max_position_embeddings", 4096),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="none",
+        vp_stage=vp_stage,
+    )
+    return model.to(device)

@@ -1,0 +1,449 @@
+"""Core attention for packed (THD) batches with a context-parallel group that may change every call.
+
+Contract with the rest of verl-dyncp (the THD pre-processing builds batches in this layout):
+
+* ``packed_seq_params.qkv_format == "thd"``; ``cu_seqlens_q_padded`` holds the offsets of the *padded,
+  whole* sequences (the same on every CP rank), ``cu_seqlens_q`` those of the true lengths. With CP size
+  ``c > 1`` every padded length ``P`` is a multiple of ``2c``; with ``h = P / (2c)`` CP rank ``r`` holds
+  the zigzag chunks ``[r h, (r+1) h)`` and ``[P-(r+1) h, P-r h)`` of each sequence, sequence after
+  sequence, so it holds ``sum(P) / c`` tokens.
+* The CP group travels with the batch, looked up in this order: a :class:`CPContext` attached with
+  :func:`attach_cp_context` (works on every megatron-core release, survives activation recompute since
+  it rides on the ``packed_seq_params`` argument), then ``PackedSeqParams.cp_group`` (megatron-core
+  >= 0.16, set by the same function), then the static CP group of megatron-core's parallel state when
+  ``context_parallel_size > 1``, else no CP.
+
+Algorithm (simple and exact): every rank all-gathers K and V of the whole micro-batch over the CP group
+with an autograd-aware all-gather (backward reduce-scatters the K/V gradient), then attends its local
+queries to the gathered keys with per-chunk causal masks. Each local chunk is one query segment whose
+keys are the prefix of its sequence ending at the chunk's end (bottom-right aligned causal), which is
+exactly what a varlen flash kernel computes. Padding tokens (position >= true length) never influence
+real tokens (they come after them) and their outputs are set to zero, so they get no gradient.
+Cost per rank and layer: K and V of the whole micro-batch are held once (``T x ng x hn x 2``, plus the
+key stream of the varlen kernel, about ``1 + 1/(2c)`` times that); communication is one all-gather of
+``(c-1)/c`` of that in forward and one reduce-scatter of the same size in backward. Attention FLOPs are
+balanced by the zigzag split. A ring (overlapped P2P) variant would cut the K/V memory; not done yet.
+
+Kernels: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn`` (found by
+import; its causal flag is detected from the signature: ``window_size=(-1, 0)`` in the installed torch,
+``is_causal`` in older releases) with one query segment per chunk and bottom-right aligned causality;
+torch picks cuDNN or Flash inside (cuDNN only when q and k share cu_seqlens, i.e. CP size 1). Anywhere
+else, or with ``kernel="sdpa"``: one ``scaled_dot_product_attention`` per sequence with an explicit
+position mask (a one-time warning on CUDA).
+
+RoPE: the model is built with ``position_embedding_type="none"`` and this module rotates q and k with
+the true position of every token (see verl_dyncp.rope for why megatron's RoPE cannot be used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verl_dyncp.rope import apply_rope
+
+__all__ = [
+    "CPContext",
+    "ThdLayout",
+    "attach_cp_context",
+    "build_thd_layout",
+    "get_cp_context",
+    "pick_kernel",
+    "thd_attention",
+    "thd_layout",
+    "varlen_kernel_available",
+]
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT_ATTR = "verl_cp_context"
+_LAYOUT_CACHE_ATTR = "_verl_thd_layout_cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class CPContext:
+    """How one packed micro-batch is split over context-parallel ranks.
+
+    ``cp_group`` None means CP size 1. ``position_ids`` (``[local tokens]``) overrides the RoPE positions
+    derived from the zigzag layout; leave it None unless positions are not ``0..len-1`` per sequence.
+    """
+
+    cp_group: dist.ProcessGroup | None = None
+    position_ids: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return 1 if self.cp_group is None else dist.get_world_size(group=self.cp_group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.cp_group is None else dist.get_rank(group=self.cp_group)
+
+
+def attach_cp_context(
+    packed_seq_params: Any, *, cp_group: dist.ProcessGroup | None, position_ids: torch.Tensor | None = None
+) -> Any:
+    """Attach the CP group (and optional RoPE positions) of this micro-batch to ``packed_seq_params``.
+
+    Returns the same object. Where PackedSeqParams has ``local_cp_size`` / ``cp_group`` (megatron-core
+    >= 0.16) they are filled too, so Transformer Engine's attention would see the same group.
+    """
+    context = CPContext(cp_group=cp_group, position_ids=position_ids)
+    object.__setattr__(packed_seq_params, _CONTEXT_ATTR, context)
+    object.__setattr__(packed_seq_params, _LAYOUT_CACHE_ATTR, {})
+    from verl_mcore_utils.compat import packed_seq_params_fields  # megatron-core only when used
+
+    if "cp_group" in packed_seq_params_fields() and cp_group is not None:
+        packed_seq_params.cp_group = cp_group
+        packed_seq_params.local_cp_size = context.size
+    return packed_seq_params
+
+
+def get_cp_context(packed_seq_params: Any, *, static_cp_group: dist.ProcessGroup | None = None) -> CPContext:
+    """The CPContext of a batch: attached one, else PackedSeqParams.cp_group, else ``static_cp_group``."""
+    context = getattr(packed_seq_params, _CONTEXT_ATTR, None)
+    if context is not None:
+        return context
+    group = getattr(packed_seq_params, "cp_group", None)
+    if group is not None:
+        return CPContext(cp_group=group)
+    return CPContext(cp_group=static_cp_group)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThdLayout:
+    """Index tensors describing one rank's share of a zigzag-split packed batch (see module docstring).
+
+    ``full_index`` maps the whole padded batch in sequence order to rows of the all-gathered K/V
+    buffer (rank-major); ``stream_index`` lists, for each local query chunk, the rows of its key prefix
+    (the key stream of the varlen kernel). Both are None for CP size 1 (local order is global order).
+    """
+
+    cp_size: int
+    cp_rank: int
+    num_local_tokens: int
+    padded_lens: tuple[int, ...]
+    local_starts: tuple[int, ...]
+    full_starts: tuple[int, ...]
+    position_ids: torch.Tensor
+    valid: torch.Tensor
+    full_index: torch.Tensor | None
+    stream_index: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _local_chunk_positions(padded: int, *, cp_size: int, cp_rank: int) -> torch.Tensor:
+    if cp_size == 1:
+        return torch.arange(padded)
+    h = padded // (2 * cp_size)
+    return torch.cat(
+        (
+            torch.arange(cp_rank * h, (cp_rank + 1) * h),
+            torch.arange(padded - (cp_rank + 1) * h, padded - cp_rank * h),
+        )
+    )
+
+
+def thd_layout(
+    packed_seq_params: Any, *, cp_size: int, cp_rank: int, device: torch.device | str
+) -> ThdLayout:
+    """The layout of this rank's tokens for a batch, built once and cached on ``packed_seq_params``."""
+    cache: dict[Any, ThdLayout] | None = getattr(packed_seq_params, _LAYOUT_CACHE_ATTR, None)
+    key = (cp_size, cp_rank, str(device))
+    if cache is not None and key in cache:
+        return cache[key]
+    if packed_seq_params.cu_seqlens_q is None:
+        raise ValueError(
+            "THD attention needs packed_seq_params.cu_seqlens_q (and cu_seqlens_q_padded under CP)"
+        )
+    layout = build_thd_layout(
+        cu_seqlens=packed_seq_params.cu_seqlens_q,
+        cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        device=device,
+    )
+    if cache is None:
+        cache = {}
+        object.__setattr__(packed_seq_params, _LAYOUT_CACHE_ATTR, cache)
+    cache[key] = layout
+    return layout
+
+
+def build_thd_layout(
+    *,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device | str,
+) -> ThdLayout:
+    """Index tensors of CP rank ``cp_rank`` of ``cp_size`` for whole-sequence offsets (true and padded).
+
+    One host sync (``tolist``); call once per micro-batch (:func:`thd_layout` caches it).
+    """
+    cu_padded = [
+        int(x) for x in (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).tolist()
+    ]
+    cu_true = [int(x) for x in cu_seqlens.tolist()]
+    if len(cu_padded) != len(cu_true) or len(cu_padded) < 2:
+        raise ValueError(
+            f"cu_seqlens ({len(cu_true)} entries) and cu_seqlens_padded ({len(cu_padded)}) must describe the"
+            " same sequences, at least one"
+        )
+    padded = [b - a for a, b in itertools.pairwise(cu_padded)]
+    true = [b - a for a, b in itertools.pairwise(cu_true)]
+    for i, (p, t) in enumerate(zip(padded, true, strict=True)):
+        if t > p or p <= 0:
+            raise ValueError(f"sequence {i}: true length {t} and padded length {p} are inconsistent")
+        if cp_size > 1 and p % (2 * cp_size):
+            raise ValueError(
+                f"sequence {i}: padded length {p} is not a multiple of 2 x cp_size = {2 * cp_size}; pad with"
+                " preprocess_thd_engine (alignment tp * cp * 2)"
+            )
+    num_local = sum(padded) // cp_size
+    local_starts, full_starts, pos, valid, full_parts, stream_parts = [], [], [], [], [], []
+    q_lens: list[int] = []
+    k_lens: list[int] = []
+    loc = 0
+    for p, t, start in zip(padded, true, cu_padded[:-1], strict=True):
+        local_starts.append(loc)
+        full_starts.append(start - cu_padded[0])
+        positions = _local_chunk_positions(p, cp_size=cp_size, cp_rank=cp_rank)
+        pos.append(positions)
+        valid.append(positions < t)
+        if cp_size == 1:
+            q_lens.append(p)
+            k_lens.append(p)
+        else:
+            h = p // (2 * cp_size)
+            global_pos = torch.arange(p)
+            chunk = global_pos // h
+            first_half = chunk < cp_size
+            owner = torch.where(first_half, chunk, 2 * cp_size - 1 - chunk)
+            offset = global_pos - chunk * h + torch.where(first_half, 0, h)
+            rows = owner * num_local + loc + offset  # row in the rank-major gathered buffer
+            full_parts.append(rows)
+            first_end, second_end = (cp_rank + 1) * h, p - cp_rank * h
+            stream_parts.extend((rows[:first_end], rows[:second_end]))
+            q_lens.extend((h, h))
+            k_lens.extend((first_end, second_end))
+        loc += p // cp_size
+
+    def cumsum(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    layout = ThdLayout(
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_local_tokens=num_local,
+        padded_lens=tuple(padded),
+        local_starts=tuple(local_starts),
+        full_starts=tuple(full_starts),
+        position_ids=torch.cat(pos).to(device),
+        valid=torch.cat(valid).to(device),
+        full_index=torch.cat(full_parts).to(device) if cp_size > 1 else None,
+        stream_index=torch.cat(stream_parts).to(device) if cp_size > 1 else None,
+        cu_seqlens_q=cumsum(q_lens),
+        cu_seqlens_k=cumsum(k_lens),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(k_lens),
+    )
+    return layout
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """Concatenate every rank's ``x`` along dim 0; backward sums the gradients and keeps this rank's rows.
+
+    On NCCL the backward is a reduce-scatter; on gloo (no reduce-scatter) an all-reduce and a slice.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        x = x.contiguous()
+        size = dist.get_world_size(group=group)
+        if dist.get_backend(group) == dist.Backend.NCCL:  # one buffer, no extra copy
+            out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(out, x, group=group)
+            return out
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        group = ctx.group
+        size, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=group)
+            return out, None
+        total = grad.clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(size, dim=0)[rank].contiguous(), None
+
+
+@functools.cache
+def _varlen_fn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_kernel_available() -> bool:
+    """True when the installed torch has ``torch.nn.attention.varlen.varlen_attn``."""
+    return _varlen_fn() is not None
+
+
+_warned: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def _varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: ThdLayout,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal varlen flash attention, bottom-right aligned (each chunk sees its key prefix)."""
+    fn = _varlen_fn()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # k/v may be views of the gathered kv buffer
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:  # older releases spelled causality as a flag
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            reps = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    cu_k = layout.cu_seqlens_q if layout.cp_size == 1 else layout.cu_seqlens_k
+    return fn(q, k, v, layout.cu_seqlens_q, cu_k, layout.max_seqlen_q, layout.max_seqlen_k, **kwargs)
+
+
+def _sdpa_attention(
+    q: torch.Tensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    *,
+    layout: ThdLayout,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Reference path: one SDPA call per sequence with an explicit position mask (any device, any dtype)."""
+    outputs = []
+    gqa = k_full.shape[1] != q.shape[1]
+    for p, ls, fs in zip(layout.padded_lens, layout.local_starts, layout.full_starts, strict=True):
+        n_local = p // layout.cp_size
+        q_i = q[ls : ls + n_local].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if layout.cp_size == 1:
+            k_i, v_i = (t[fs : fs + p].transpose(0, 1).unsqueeze(0) for t in (k_full, v_full))
+            out = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        else:
+            h = p // (2 * layout.cp_size)
+            k_end = p - layout.cp_rank * h  # the last key any local query of this sequence sees
+            k_i, v_i = (t[fs : fs + k_end].transpose(0, 1).unsqueeze(0) for t in (k_full, v_full))
+            q_pos = layout.position_ids[ls : ls + n_local]
+            mask = torch.arange(k_end, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+            )
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+def pick_kernel(q: torch.Tensor, *, kernel: str = "auto", dropout_p: float = 0.0) -> str:
+    """ "varlen" (torch's varlen flash kernel) where it applies, else "sdpa" (logged once on CUDA).
+
+    varlen_attn needs CUDA, fp16/bf16 and no dropout; ``kernel`` "sdpa" or "varlen" forces a path
+    ("varlen" raises when it cannot run).
+    """
+    if kernel == "sdpa":
+        return "sdpa"
+    fast_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
+    if kernel == "varlen":
+        if not (fast_ok and varlen_kernel_available()):
+            raise RuntimeError(
+                "kernel='varlen' needs torch.nn.attention.varlen, a CUDA tensor in fp16/bf16 and no dropout"
+            )
+        return "varlen"
+    if fast_ok and varlen_kernel_available():
+        return "varlen"
+    if q.is_cuda:
+        _log_once(
+            "verl_dyncp attention: using the per-sequence SDPA path on CUDA (varlen_attn available="
+            f"{varlen_kernel_available()}, dtype={q.dtype}, dropout={dropout_p}); expect lower throughput"
+        )
+    return "sdpa"
+
+
+def thd_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    layout: ThdLayout,
+    cp_group: dist.ProcessGroup | None,
+    position_ids: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    rotary_interleaved: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of this rank's zigzag tokens: [T, np, hn] x [T, ng, hn] x [T, ng, hn] -> [T, np*hn].
+
+    ``inv_freq`` set: q and k are rotated first with ``position_ids`` (default: the layout's true
+    positions). With ``layout.cp_size > 1`` every rank of ``cp_group`` must call this together.
+    """
+    if query.shape[0] != layout.num_local_tokens:
+        raise ValueError(
+            f"query has {query.shape[0]} tokens but cu_seqlens_padded / cp_size={layout.cp_size} describe"
+            f" {layout.num_local_tokens}"
+        )
+    group_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
+    if group_size != layout.cp_size:
+        raise ValueError(f"layout is for CP size {layout.cp_size} but the CP group has {group_size} ranks")
+    q, k, v = query, key, value
+    if inv_freq is not None:
+        positions = (position_ids if position_ids is not None else layout.position_ids).to(query.device)
+        q = apply_rope(q, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved)
+        k = apply_rope(k, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved)
+    chosen = pick_kernel(q, kernel=kernel, dropout_p=dropout_p)
+    if layout.cp_size > 1:
+        kv = _AllGatherRows.apply(torch.cat((k, v), dim=-1), cp_group)
+        kv = kv.index_select(0, layout.stream_index if chosen == "varlen" else layout.full_index)
+        k, v = kv.split((k.shape[-1], v.shape[-1]), dim=-1)
+    if chosen == "varlen":
+        out = _varlen_attention(q, k, v, layout=layout, scale=softmax_scale)
+    else:
+        out = _sdpa_attention(q, k, v, layout=layout, scale=softmax_scale, dropout_p=dropout_p)
+    out = out * layout.valid[:, None, None].to(out.dtype)  # padding rows: zero output, no gradient
+    return out.reshape(out.shape[0], -1)
