@@ -243,9 +243,10 @@ def _build_node(node: DictConfig, data: Mapping[str, Any], path: str, notes: lis
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = data[f.name]
-        child = node._get_node(f.name)  # the node, not its value: keeps the concrete dataclass type
-        if isinstance(child, DictConfig) and _is_schema_node(child) and isinstance(value, Mapping):
-            value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes)
+        if isinstance(value, Mapping):
+            child = node[f.name]  # the DictConfig child keeps the concrete (engine-specific) dataclass type
+            if _is_schema_node(child):
+                value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes)
         kwargs[f.name] = value
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigNote)
