@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from verl_mcore_utils.compat import hf_rope_parameters, import_megatron_core
-from verl_mcore_utils.model import local_layer_spec
+from verl_mcore_utils.compat import import_megatron_core
+from verl_mcore_utils.model import build_gpt_model, local_layer_spec, rope_theta
 from verl_mcore_utils.transformer_config import hf_get
 
 import_megatron_core()
@@ -66,21 +66,17 @@ def build_thd_gpt_model(
 
     Plain RoPE only: scaled variants are refused rather than silently built unscaled.
     """
-    rope = hf_rope_parameters(hf_config)
-    if rope["rope_type"] != "default":
-        raise ValueError(f"rope_type {rope['rope_type']!r} (rope scaling) is not supported; only plain RoPE")
     partial = float(hf_get(hf_config, "partial_rotary_factor", 1.0) or 1.0)
-    model = GPTModel(
-        config=tf_config,
-        transformer_layer_spec=thd_layer_spec(
-            tf_config, rotary_base=rope["rope_theta"], rotary_percent=partial, kernel=kernel
-        ),
-        vocab_size=vocab_size if vocab_size is not None else hf_get(hf_config, "vocab_size"),
-        max_sequence_length=hf_get(hf_config, "max_position_embeddings", 4096),
+    return build_gpt_model(
+        hf_config=hf_config,
+        tf_config=tf_config,
+        device=device,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
-        position_embedding_type="none",
+        layer_spec=thd_layer_spec(
+            tf_config, rotary_base=rope_theta(hf_config), rotary_percent=partial, kernel=kernel
+        ),
+        vocab_size=vocab_size,
         vp_stage=vp_stage,
+        position_embedding_type="none",
     )
-    return model.to(device)

@@ -19,7 +19,7 @@ from verl_mcore_utils.attention import SDPACoreAttention  # noqa: E402
 from verl_mcore_utils.rope import make_rope_portable  # noqa: E402
 from verl_mcore_utils.transformer_config import hf_get  # noqa: E402
 
-__all__ = ["build_gpt_model", "local_layer_spec"]
+__all__ = ["build_gpt_model", "local_layer_spec", "rope_theta"]
 
 
 def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDPACoreAttention) -> ModuleSpec:
@@ -37,7 +37,7 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
     return spec
 
 
-def _rope_theta(hf_config: Mapping[str, Any] | Any) -> float:
+def rope_theta(hf_config: Mapping[str, Any] | Any) -> float:
     """RoPE base of ``hf_config``; scaled RoPE variants are refused rather than silently built unscaled."""
     rope = hf_rope_parameters(hf_config)
     if rope["rope_type"] != "default":
@@ -57,12 +57,16 @@ def build_gpt_model(
     layer_spec: ModuleSpec | None = None,
     vocab_size: int | None = None,
     vp_stage: int | None = None,
+    position_embedding_type: str = "rope",
 ) -> GPTModel:
     """Build a GPTModel (one pipeline stage) for ``hf_config`` and move it to ``device``.
 
     Model-parallel state must be initialised first (see verl_mcore_utils.parallel). Weights stay
     in ``tf_config.params_dtype``; wrapping (Float16Module / DDP) is the caller's choice.
+    ``position_embedding_type="none"`` is for layer specs whose core attention applies RoPE itself
+    (verl-dyncp); the RoPE settings of ``hf_config`` are checked either way.
     """
+    theta = rope_theta(hf_config)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=layer_spec if layer_spec is not None else local_layer_spec(tf_config),
@@ -71,8 +75,8 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        position_embedding_type=position_embedding_type,
+        rotary_base=theta,
         vp_stage=vp_stage,
     )
     make_rope_portable(model, device)
