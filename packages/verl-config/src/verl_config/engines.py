@@ -13,7 +13,7 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
 
 __all__ = [
     "DTYPES",
@@ -130,14 +130,11 @@ class McoreEngineConfig:
             )
 
     def _check_dynamic_cp(self) -> None:
+        check_dynamic_context_parallel(
+            dynamic_context_parallel=self.dynamic_context_parallel,
+            max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+        )
         if self.dynamic_context_parallel:
-            if self.max_seqlen_per_dp_cp_rank is None:
-                raise ConfigValueError(
-                    "max_seqlen_per_dp_cp_rank",
-                    "is null but dynamic_context_parallel is true; set the most tokens one rank may hold"
-                    " (the CP size per micro-batch is chosen from it), e.g. max_seqlen_per_dp_cp_rank=4096",
-                )
-            check_positive("max_seqlen_per_dp_cp_rank", self.max_seqlen_per_dp_cp_rank)
             if not self.use_remove_padding:
                 raise ConfigValueError(
                     "use_remove_padding",

@@ -13,7 +13,7 @@ from typing import Any
 
 from verl_config.engines import DTYPES
 from verl_config.errors import ConfigValueError
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
 
 __all__ = [
     "MODEL_PRESETS",
@@ -55,6 +55,9 @@ class SFTMegatronConfig:
     context_parallel_size: int = 1
     sequence_parallel: bool = True
     use_distributed_optimizer: bool = True
+    use_megatron_fsdp: bool = False
+    dynamic_context_parallel: bool = False
+    max_seqlen_per_dp_cp_rank: int | None = None
     override_ddp_config: dict[str, Any] = field(default_factory=dict)
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 42
@@ -64,6 +67,16 @@ class SFTMegatronConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             check_positive(key, getattr(self, key))
         check_choice("dtype", self.dtype, DTYPES)
+        check_dynamic_context_parallel(
+            dynamic_context_parallel=self.dynamic_context_parallel,
+            max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+        )
+        if self.use_megatron_fsdp and not self.use_distributed_optimizer:
+            raise ConfigValueError(
+                "use_distributed_optimizer",
+                "is false but use_megatron_fsdp is true; Megatron-FSDP shards the optimizer state, so it requires"
+                " the distributed optimizer: remove the setting or set use_megatron_fsdp=false",
+            )
         if self.pipeline_model_parallel_size > 1:
             raise ConfigValueError(
                 "pipeline_model_parallel_size",

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from verl_config.errors import ConfigValueError
 
-__all__ = ["check_choice", "check_parallel_layout", "check_positive"]
+__all__ = ["check_choice", "check_dynamic_context_parallel", "check_parallel_layout", "check_positive"]
 
 
 def _unresolved(value: object) -> bool:
@@ -64,3 +64,18 @@ def check_parallel_layout(
             f" or launch a multiple of {model_parallel} processes",
         )
     return world_size // model_parallel
+
+
+def check_dynamic_context_parallel(
+    *, dynamic_context_parallel: bool, max_seqlen_per_dp_cp_rank: int | None
+) -> None:
+    """Dynamic CP picks the CP size per micro-batch from ``max_seqlen_per_dp_cp_rank``: it must be set."""
+    if not dynamic_context_parallel:
+        return
+    if max_seqlen_per_dp_cp_rank is None:
+        raise ConfigValueError(
+            "max_seqlen_per_dp_cp_rank",
+            "is null but dynamic_context_parallel is true; set the most tokens one rank may hold"
+            " (the CP size per micro-batch is chosen from it), e.g. max_seqlen_per_dp_cp_rank=4096",
+        )
+    check_positive("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)

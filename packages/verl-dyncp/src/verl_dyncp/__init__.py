@@ -40,7 +40,7 @@ from verl_dyncp.thd import (
     postprocess_thd_engine,
     preprocess_thd_engine,
 )
-from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention
+from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention, thd_packed_seq_params
 
 __version__ = "0.1.0.dev0"
 
@@ -78,6 +78,7 @@ __all__ = [
     "preprocess_thd_engine",
     "thd_attention",
     "thd_layer_spec",
+    "thd_packed_seq_params",
 ]
 
 

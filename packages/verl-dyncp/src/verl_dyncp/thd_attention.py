@@ -59,6 +59,7 @@ __all__ = [
     "pick_kernel",
     "thd_attention",
     "thd_layout",
+    "thd_packed_seq_params",
     "varlen_kernel_available",
 ]
 
@@ -105,6 +106,27 @@ def attach_cp_context(
         packed_seq_params.cp_group = cp_group
         packed_seq_params.local_cp_size = context.size
     return packed_seq_params
+
+
+def thd_packed_seq_params(meta: Any, *, cp_group: dist.ProcessGroup | None) -> Any:
+    """megatron-core PackedSeqParams for one rank's THD share (``meta``: its THDPackedMeta), CP group attached.
+
+    The one place that turns the layout of :func:`verl_dyncp.thd.preprocess_thd_engine` into what
+    GPTModel.forward takes (``qkv_format="thd"``, true and padded cu_seqlens, padded max length), so an
+    engine and the tests build the same thing. ``cp_group`` None means CP size 1.
+    """
+    from verl_mcore_utils.compat import make_packed_seq_params  # megatron-core only when used
+
+    params = make_packed_seq_params(
+        qkv_format="thd",
+        cu_seqlens_q=meta.cu_seqlens,
+        cu_seqlens_kv=meta.cu_seqlens,
+        cu_seqlens_q_padded=meta.cu_seqlens_padded,
+        cu_seqlens_kv_padded=meta.cu_seqlens_padded,
+        max_seqlen_q=meta.max_seqlen_padded,
+        max_seqlen_kv=meta.max_seqlen_padded,
+    )
+    return attach_cp_context(params, cp_group=cp_group)
 
 
 def get_cp_context(packed_seq_params: Any, *, static_cp_group: dist.ProcessGroup | None = None) -> CPContext:

@@ -2,22 +2,27 @@
 
 Two backends run the same megatron-core GPTModel code:
 
-* ``megatron`` (CUDA): Float16Module + megatron-core DistributedDataParallel (config from
-  verl_mcore_utils.build_ddp_config), megatron-core's optimizer (distributed or not) and its
-  forward-backward schedule.
+* ``megatron`` (CUDA): the model wrapped by verl_mcore_utils.make_megatron_module (Float16Module +
+  megatron-core DistributedDataParallel, config from build_ddp_config) or, with
+  ``megatron.use_megatron_fsdp``, by verl_mfsdp.make_megatron_fsdp_module (Megatron-FSDP);
+  megatron-core's optimizer (distributed or not) and its forward-backward schedule.
 * ``debug`` (CPU only, clearly labelled): gloo process group, no DDP wrapper, torch.optim.AdamW,
   float32; gradients are summed over DP with plain all-reduces. megatron-core's DDP buffers,
   optimizers and schedules hard-code CUDA, so this is how the model code is exercised without a GPU.
 
 Both compute the same objective (verl_engine.loss), so a debug run on N gloo processes and a
 single-process run give the same gradients.
+
+Two input forms: padded ``Batch`` micro-batches (``train_step``) and, when the engine is built with a
+:class:`verl_engine.packed.CPLayout`, packed sequences (``train_step_packed`` / ``compute_log_probs``)
+split over the DP x CP ranks by verl-dyncp with static or dynamic context parallelism.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -27,9 +32,11 @@ import torch.distributed as dist
 from verl_config import SFTConfig
 from verl_engine.data import Batch
 from verl_engine.loss import masked_loss_sum, megatron_loss_scale
-from verl_mcore_utils.compat import import_megatron_core
-from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+from verl_engine.packed import CPLayout, PackedBatch, split_packed_micro_batches
+from verl_mcore_utils.compat import import_megatron_core, make_megatron_optimizer
+from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.model import build_gpt_model
+from verl_mcore_utils.module import attach_training_hooks, make_megatron_module
 from verl_mcore_utils.parallel import ParallelDims
 from verl_mcore_utils.transformer_config import hf_to_transformer_config
 
@@ -80,6 +87,8 @@ class Engine:
         device: torch.device,
         debug: bool,
         clip_grad: float,
+        cp_layout: CPLayout | None = None,
+        cp_groups: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -87,18 +96,25 @@ class Engine:
         self.device = device
         self.debug = debug
         self.clip_grad = clip_grad
+        self.cp_layout = cp_layout
+        self.cp_groups = cp_groups
 
     @property
     def backend(self) -> str:
-        return (
-            "debug (CPU, gloo, no DDP, torch AdamW, fp32)"
-            if self.debug
-            else "megatron (DDP + megatron optimizer)"
-        )
+        if self.debug:
+            return "debug (CPU, gloo, no DDP, torch AdamW, fp32)"
+        ddp_config = getattr(self.model, "ddp_config", None)
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            return (
+                f"megatron (Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} + megatron optimizer)"
+            )
+        return "megatron (DDP + megatron optimizer)"
 
     def describe(self) -> dict[str, Any]:
         """What actually runs: wrapper, optimizer classes and the DDP settings in effect."""
         info: dict[str, Any] = {"backend": self.backend, "model_wrapper": type(self.model).__name__}
+        if self.cp_layout is not None:
+            info["packed"] = self.cp_layout.describe()
         opt = self.optimizer
         inner = getattr(opt, "chained_optimizers", None) or [opt]
         info["optimizer"] = [type(o).__name__ for o in inner]
@@ -108,10 +124,13 @@ class Engine:
                 k: getattr(ddp_config, k)
                 for k in (
                     "use_distributed_optimizer",
+                    "use_megatron_fsdp",
+                    "data_parallel_sharding_strategy",
                     "overlap_grad_reduce",
                     "grad_reduce_in_fp32",
                     "bucket_size",
                 )
+                if hasattr(ddp_config, k)
             }
         return info
 
@@ -140,11 +159,115 @@ class Engine:
                 "the global batch has no loss tokens (every loss_mask is 0); nothing to train on"
             )
         micro_batches = [mb.to(self.device) for mb in micro_batches]
-        if self.debug:
-            loss_sum = self._debug_backward(micro_batches, global_tokens)
-        else:
-            loss_sum = self._megatron_backward(micro_batches, global_tokens)
+        first = micro_batches[0]
+        loss_sum = self._backward(
+            micro_batches,
+            self._padded_forward,
+            global_tokens=global_tokens,
+            seq_length=first.input_ids.shape[1],
+            micro_batch_size=first.batch_size,
+        )
         return self._global_count(loss_sum) / global_tokens, int(global_tokens)
+
+    def compute_gradients_packed(self, batch: PackedBatch) -> tuple[float, int]:
+        """Like :meth:`compute_gradients` for a packed global batch split by the engine's CP layout.
+
+        ``batch`` is the whole step's batch, identical on every rank (checked). The loss of every rank is
+        its own tokens' loss sum over the GLOBAL loss-token count, so the reduced gradient is the no-CP
+        gradient of the mean token loss whatever the CP sizes and micro-batches.
+        """
+        prepared = self._prepare_packed(batch)
+        global_tokens = batch.num_loss_tokens
+        if global_tokens == 0:
+            raise ValueError(
+                "the packed batch has no loss tokens (label_mask selects nothing); nothing to train on"
+            )
+        loss_sum = self._backward(
+            prepared,
+            self._packed_forward,
+            global_tokens=float(global_tokens),
+            seq_length=max(p[1].batch.meta.local_tokens for p in prepared),
+            micro_batch_size=1,
+        )
+        return self._global_count(loss_sum) / global_tokens, global_tokens
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: PackedBatch) -> torch.Tensor:
+        """Per-token log-probabilities of a packed batch under the current weights (log-prob inference).
+
+        Returns float32 ``[total tokens]`` on the engine's device, identical on every rank, in the
+        batch's order: entry ``t`` is ``log p(x_t | x_<t)`` of its sequence, 0 for each sequence's first
+        token. Runs with the same CP layout as training; every rank's local results are merged back
+        into the original order (verl_dyncp.dynamic_cp_merge_output).
+        """
+        from verl_dyncp.planner import dynamic_cp_merge_output
+
+        prepared = self._prepare_packed(batch)
+        cu = batch.cu_seqlens
+        out = torch.zeros(cu[-1], dtype=torch.float32, device=self.device)
+        for indices, mb, params in prepared:
+            per_token_loss, _ = self._packed_forward(self.model, (indices, mb, params))
+            merged = dynamic_cp_merge_output(
+                -per_token_loss.reshape(-1).float(), micro_batch=mb, groups=self.cp_groups
+            )
+            offset = 0
+            for i in indices:  # merged is label-aligned: slot j predicts token j + 1 of the sequence
+                n = batch.seq_lens[i]
+                out[cu[i] + 1 : cu[i] + n] = merged[offset : offset + n - 1]
+                offset += n
+        return out
+
+    def _prepare_packed(self, batch: PackedBatch) -> list[tuple[tuple[int, ...], Any, Any]]:
+        """Check the batch is the same on every rank, cut it into micro-batches and split each one."""
+        if self.cp_layout is None or self.cp_groups is None:
+            raise RuntimeError(
+                "this engine was built without a CP layout; pass cp_layout=CPLayout(...) (or"
+                " cp_layout_from_config(megatron_config)) to build_engine to train on packed batches"
+            )
+        from verl_dyncp.planner import dynamic_cp_split_batch
+        from verl_dyncp.thd_attention import thd_packed_seq_params
+
+        self._check_same_batch(batch)
+        if not batch.seq_lens:
+            raise ValueError(
+                "empty batch: the packed batch has no sequences; give every step at least one sequence"
+            )
+        layout = self.cp_layout
+        budget = layout.token_budget_per_rank
+        assert budget is not None  # CPLayout validates it
+        prepared = []
+        for indices in split_packed_micro_batches(
+            batch.seq_lens, max_tokens=budget * self.cp_groups.world_size
+        ):
+            sub = batch.select(indices)
+            mb = dynamic_cp_split_batch(
+                sub.input_ids.to(self.device),
+                seq_lens=sub.seq_lens,
+                groups=self.cp_groups,
+                tp_size=self.dims.tp,
+                label_mask=None if sub.label_mask is None else sub.label_mask.to(self.device),
+                **layout.plan_kwargs(),
+            )
+            group = mb.group.process_group if mb.group.size > 1 else None
+            prepared.append((indices, mb, thd_packed_seq_params(mb.batch.meta, cp_group=group)))
+        return prepared
+
+    def _check_same_batch(self, batch: PackedBatch) -> None:
+        """Every rank must hold the same global batch: one MAX all-reduce of (digest, -digest).
+
+        Run before anything can fail, so a rank given a different (or empty) batch makes EVERY rank raise
+        the same error instead of leaving the others waiting in a collective.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        fp = batch.fingerprint()
+        t = torch.tensor([fp, -fp], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != fp or -int(t[1]) != fp:
+            raise ValueError(
+                "ranks were given different packed batches (lengths, tokens or label_mask differ); the packed"
+                " path needs the whole step's batch, identical, on every rank"
+            )
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Reduced gradients by parameter name (``main_grad`` under megatron DDP), as fp32 CPU copies."""
@@ -176,17 +299,54 @@ class Engine:
         grad_norm = self.optimizer_step()
         return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
 
-    def _forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+    def _padded_forward(self, model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # With labels, GPTModel returns the per-token cross entropy [b, s] (vocab-parallel under TP).
-        return model(
+        out = model(
             input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels
         )
+        return out, mb.loss_mask
 
-    def _debug_backward(self, micro_batches: list[Batch], global_tokens: float) -> float:
+    def _packed_forward(
+        self, model: torch.nn.Module, item: tuple[tuple[int, ...], Any, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, mb, params = item
+        b = mb.batch
+        # Positions come from the THD layout inside the attention (RoPE of the no-CP run); labels of
+        # padding / last tokens are clamped to a valid id and masked out of the loss.
+        out = model(
+            input_ids=b.input_ids[None],
+            position_ids=None,
+            attention_mask=None,
+            labels=b.labels.clamp(min=0)[None],
+            packed_seq_params=params,
+        )
+        return out, b.loss_mask[None]
+
+    def _backward(
+        self,
+        items: Sequence[Any],
+        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        global_tokens: float,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> float:
+        if self.debug:
+            return self._debug_backward(items, forward, global_tokens)
+        return self._megatron_backward(
+            items, forward, global_tokens, seq_length=seq_length, micro_batch_size=micro_batch_size
+        )
+
+    def _debug_backward(
+        self,
+        items: Sequence[Any],
+        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+        global_tokens: float,
+    ) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for mb in micro_batches:
-            s = masked_loss_sum(self._forward(self.model, mb), mb.loss_mask)
+        for item in items:
+            s = masked_loss_sum(*forward(self.model, item))
             (s / global_tokens).backward()
             loss_sum += float(s.detach())
         if self.dims.dp > 1:
@@ -198,32 +358,48 @@ class Engine:
                     dist.all_reduce(p.grad, group=group)
         return loss_sum
 
-    def _megatron_backward(self, micro_batches: list[Batch], global_tokens: float) -> float:
+    def _megatron_backward(
+        self,
+        items: Sequence[Any],
+        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+        global_tokens: float,
+        *,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> float:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        scale = megatron_loss_scale(num_microbatches=len(micro_batches), dp_size=self.dims.dp)
+        scale = megatron_loss_scale(num_microbatches=len(items), dp_size=self.dims.dp)
 
-        def loss_func(mb: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            s = masked_loss_sum(output_tensor, mb.loss_mask)
+        def loss_func(
+            loss_mask: torch.Tensor, output_tensor: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            s = masked_loss_sum(output_tensor, loss_mask)
             return s / global_tokens * scale, {"loss_sum": s.detach()}
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-            mb = next(data_iterator)
-            return self._forward(model, mb), partial(loss_func, mb)
+            out, loss_mask = forward(model, next(data_iterator))
+            return out, partial(loss_func, loss_mask)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        first = micro_batches[0]
         reduced = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=iter(items),
             model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=first.input_ids.shape[1],
-            micro_batch_size=first.batch_size,
+            num_microbatches=len(items),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=False,
         )
         return float(sum(float(r["loss_sum"]) for r in reduced))
+
+    def train_step_packed(self, batch: PackedBatch, *, lr: float) -> StepMetrics:
+        """One optimizer step over a packed global batch (see :meth:`compute_gradients_packed`)."""
+        loss, tokens = self.compute_gradients_packed(batch)
+        self.set_lr(lr)
+        grad_norm = self.optimizer_step()
+        return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
 
 
 def build_engine(
@@ -232,23 +408,47 @@ def build_engine(
     hf_config: Mapping[str, Any],
     dims: ParallelDims,
     device: torch.device,
+    cp_layout: CPLayout | None = None,
 ) -> Engine:
-    """Build the model and optimizer for ``cfg`` on ``device`` (CPU means the debug backend)."""
+    """Build the model and optimizer for ``cfg`` on ``device`` (CPU means the debug backend).
+
+    With ``cp_layout`` the model takes packed (THD) batches through verl-dyncp's attention and the
+    engine creates the CP groups of the DP x CP pool; megatron-core must then have been initialised
+    with ``context_parallel_size=1`` (its data-parallel group is the pool).
+    """
     m, o = cfg.megatron, cfg.optim
     debug = device.type == "cpu"
     dtype = "float32" if debug else m.dtype
+    if cp_layout is None and (m.context_parallel_size > 1 or m.dynamic_context_parallel):
+        raise ValueError(
+            "megatron.context_parallel_size > 1 / megatron.dynamic_context_parallel need packed batches:"
+            " build the engine with cp_layout=cp_layout_from_config(cfg.megatron, ...) and train with"
+            " train_step_packed"
+        )
+    if cp_layout is not None and dims.cp != 1:
+        raise ValueError(
+            f"the packed path runs CP through verl-dyncp's groups: initialise megatron-core with"
+            f" context_parallel_size=1 (got {dims.cp}); the DP x CP pool is world / (TP x PP)"
+        )
     tf_config = hf_to_transformer_config(
         hf_config,
         dtype=dtype,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-        context_parallel_size=m.context_parallel_size,
+        context_parallel_size=dims.cp,
         sequence_parallel=m.sequence_parallel,
         overrides=m.override_transformer_config,
     )
     # CPU initialisation with one seed: identical weights whatever the parallel layout.
     torch.manual_seed(m.seed)
-    model = build_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
+    cp_groups = None
+    if cp_layout is None:
+        model = build_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
+    else:
+        from verl_dyncp.model import build_thd_gpt_model
+
+        model = build_thd_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
+        cp_groups = _pool_cp_groups()
     if debug:
         decay, no_decay = [], []
         for name, p in model.named_parameters():
@@ -260,21 +460,33 @@ def build_engine(
             eps=o.eps,
         )
         return Engine(
-            model=model, optimizer=optimizer, dims=dims, device=device, debug=True, clip_grad=o.clip_grad
+            model=model,
+            optimizer=optimizer,
+            dims=dims,
+            device=device,
+            debug=True,
+            clip_grad=o.clip_grad,
+            cp_layout=cp_layout,
+            cp_groups=cp_groups,
         )
 
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
+    from megatron.core.optimizer import OptimizerConfig
 
-    if tf_config.bf16 or tf_config.fp16:
-        model = Float16Module(tf_config, model)
-    ddp_config = build_ddp_config(
-        wrap_config=WrapConfig(use_distributed_optimizer=m.use_distributed_optimizer),
-        override_ddp_config=m.override_ddp_config,
+    # The engine's model goes through verl-mcore-utils' one wrapping path (Float16Module, DDP config from
+    # build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP wrapping: the same flags mean the same here.
+    provider = _BuiltModel(transformer_config=tf_config, model=model)
+    wrap = WrapConfig(
+        use_distributed_optimizer=m.use_distributed_optimizer, use_megatron_fsdp=m.use_megatron_fsdp
     )
-    ddp_model = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
-    ddp_model.broadcast_params()
+    if m.use_megatron_fsdp:
+        from verl_mfsdp.wrap import make_megatron_fsdp_module, make_megatron_fsdp_optimizer
+
+        chunks = make_megatron_fsdp_module(
+            provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config
+        )
+    else:
+        chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config)
+    ddp_model = chunks[0]
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -287,11 +499,47 @@ def build_engine(
         bf16=tf_config.bf16,
         fp16=tf_config.fp16,
         params_dtype=tf_config.params_dtype,
-        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp_model])
-    tf_config.finalize_model_grads_func = finalize_model_grads
-    tf_config.grad_scale_func = optimizer.scale_loss
+    if m.use_megatron_fsdp:
+        optimizer = make_megatron_fsdp_optimizer(opt_config, chunks)
+    else:
+        optimizer = make_megatron_optimizer(opt_config, chunks)
+    attach_training_hooks(chunks, optimizer)
     return Engine(
-        model=ddp_model, optimizer=optimizer, dims=dims, device=device, debug=False, clip_grad=o.clip_grad
+        model=ddp_model,
+        optimizer=optimizer,
+        dims=dims,
+        device=device,
+        debug=False,
+        clip_grad=o.clip_grad,
+        cp_layout=cp_layout,
+        cp_groups=cp_groups,
     )
+
+
+@dataclass
+class _BuiltModel:
+    """A model provider over the one model the engine built (seeded, on its device) for the wrappers."""
+
+    transformer_config: Any
+    model: torch.nn.Module
+    ddp_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def provide(
+        self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None
+    ) -> torch.nn.Module:
+        if not (pre_process and post_process) or vp_stage not in (None, 0):
+            raise ValueError("the engine builds one whole model chunk (no pipeline parallelism)")
+        return self.model
+
+
+def _pool_cp_groups() -> Any:
+    """verl-dyncp CP groups over megatron-core's data-parallel groups (one rank list per TP/PP position)."""
+    from verl_dyncp.groups import CPGroups
+
+    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    lists: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, sorted(mine))
+    unique = sorted({tuple(r) for r in lists})
+    return CPGroups(rank_lists=unique)

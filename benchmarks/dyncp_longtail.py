@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Long-tail packed training through verl-engine: no CP, static CP 2 / 4, dynamic CP (tokens/s, peak memory).
+
+    torchrun --nproc-per-node 4 benchmarks/dyncp_longtail.py --out benchmarks/results/dyncp_longtail_h200x4.json
+
+Data: sequence lengths drawn from a lognormal (median ``--median``, sigma ``--sigma``, seed ``--seed``),
+clipped to [256, 32768]; each step's global batch holds sequences until it has ``--tokens-per-step``
+tokens; the same batches are used for every layout. Every layout gets the same micro-batch budget per rank
+(``--tokens-per-rank``; a micro-batch holds at most that x the pool size, formed longest-first by
+verl_engine.packed.split_packed_micro_batches), so the layouts differ only in how each micro-batch is
+spread over the GPUs:
+
+* no CP: k = 1 (each sequence whole on one GPU; the longest one then holds up to 32K tokens on one GPU),
+* static CP 2 / 4: every sequence split over groups of 2 / 4,
+* dynamic CP: k per micro-batch from max_seqlen_per_dp_cp_rank (``--max-seqlen``, default the per-rank
+  budget; ``dynamic@8192`` runs it with 8192),
+* dynamic mixed: several k inside one micro-batch (verl-dyncp's mixed plan).
+
+Model: the engine's Qwen2 preset (``--preset``), bf16, megatron-core DDP + distributed optimizer, verl-dyncp
+attention with torch's varlen flash kernel (no Transformer Engine). Tokens/s counts real (unpadded) tokens
+of the global batch per second of optimizer step, averaged over the steps after ``--warmup``; peak memory is
+torch.cuda.max_memory_allocated, the maximum over ranks. One process group; the layouts run one after the
+other, each with a freshly built engine (same seed: same initial weights), so their losses are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192", "dynamic_mixed")
+
+
+def lengths_for_steps(
+    *, steps: int, tokens_per_step: int, median: float, sigma: float, seed: int
+) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        lens: list[int] = []
+        while sum(lens) < tokens_per_step:
+            n = int(np.clip(rng.lognormal(np.log(median), sigma), 256, 32768))
+            lens.append(min(n, tokens_per_step - sum(lens)) if sum(lens) + n > tokens_per_step else n)
+        out.append([n for n in lens if n >= 1])
+    return out
+
+
+def layout_for(name: str, args: argparse.Namespace) -> Any:
+    from verl_engine.packed import CPLayout
+
+    budget = args.tokens_per_rank
+    if name == "none":
+        return CPLayout(static_cp_size=1, max_tokens_per_rank=budget)
+    if name.startswith("static"):
+        return CPLayout(static_cp_size=int(name[len("static") :]), max_tokens_per_rank=budget)
+    base, _, seqlen = name.partition("@")  # "dynamic@8192": another max_seqlen_per_dp_cp_rank
+    return CPLayout(
+        dynamic=True,
+        max_seqlen_per_dp_cp_rank=int(seqlen) if seqlen else args.max_seqlen,
+        max_tokens_per_rank=budget,
+        mixed=base == "dynamic_mixed",
+    )
+
+
+def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]], dims: Any) -> dict[str, Any]:
+    from verl_config import SFTConfig, load_config
+    from verl_engine.engine import build_engine
+    from verl_engine.packed import PackedBatch
+    from verl_mcore_utils.presets import qwen2_preset
+
+    cfg = load_config(
+        SFTConfig,
+        overrides=[
+            f"model.preset={args.preset}",
+            "megatron.dtype=bfloat16",
+            "megatron.use_distributed_optimizer=true",
+            "optim.lr=1e-4",
+            "optim.lr_warmup_steps=0",
+        ],
+    )
+    hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = build_engine(cfg, hf_config=hf, dims=dims, device=device, cp_layout=layout_for(name, args))
+    step_times, losses, plans = [], [], []
+    real_tokens = []
+    for step, lens in enumerate(steps_lens):
+        g = torch.Generator().manual_seed(1000 + step)
+        batch = PackedBatch(
+            input_ids=torch.randint(0, args.vocab, (sum(lens),), generator=g), seq_lens=tuple(lens)
+        )
+        if step == 0:
+            plans = [
+                sorted({b.size for b in mb.plan.blocks}, reverse=True)
+                for _, mb, _ in engine._prepare_packed(batch)
+            ]
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        metrics = engine.train_step_packed(batch, lr=cfg.optim.lr)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        losses.append(metrics.loss)
+        if step >= args.warmup:
+            step_times.append(elapsed)
+            real_tokens.append(sum(lens))
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    t = torch.tensor([sum(step_times)], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock: a step ends when all ranks end
+    result = {
+        "layout": layout_for(name, args).describe(),
+        "tokens_per_s": sum(real_tokens) / float(t.item()),
+        "step_time_s_mean": float(t.item()) / len(step_times),
+        "step_times_s_rank0": step_times,
+        "peak_memory_gib": float(peak.item()),
+        "losses": losses,
+        "micro_batch_cp_sizes_step0": plans,
+    }
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tokens-per-step", type=int, default=262144)
+    parser.add_argument("--tokens-per-rank", type=int, default=16384)
+    parser.add_argument(
+        "--max-seqlen",
+        type=int,
+        default=16384,
+        help="max_seqlen_per_dp_cp_rank of dynamic CP (default: the budget)",
+    )
+    parser.add_argument("--median", type=float, default=2048.0)
+    parser.add_argument("--sigma", type=float, default=1.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (debug backend)"
+    )
+    args = parser.parse_args()
+
+    from verl_mcore_utils.compat import mcore_version
+    from verl_mcore_utils.parallel import destroy_parallel, init_parallel
+
+    dims = init_parallel(device=args.device)
+    steps_lens = lengths_for_steps(
+        steps=args.steps,
+        tokens_per_step=args.tokens_per_step,
+        median=args.median,
+        sigma=args.sigma,
+        seed=args.seed,
+    )
+    all_lens = [n for lens in steps_lens for n in lens]
+    results = {}
+    for name in args.layouts.split(","):
+        try:
+            results[name] = run_layout(name, args, steps_lens, dims)
+        except torch.OutOfMemoryError as err:  # "no CP where it fits": record, do not hide
+            results[name] = {"layout": name, "error": f"out of memory: {str(err).splitlines()[0]}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            print(name, json.dumps({k: v for k, v in results[name].items() if k != "losses"}), flush=True)
+    if dist.get_rank() == 0:
+        base = results.get("static4", {}).get("tokens_per_s")
+        record = {
+            "benchmark": "dyncp_longtail",
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
+            "gpus": dist.get_world_size(),
+            "torch": torch.__version__,
+            "megatron_core": str(mcore_version()),
+            "config": {
+                **{k: v for k, v in vars(args).items() if k != "out"},
+                "lengths": {
+                    "distribution": f"lognormal(median={args.median}, sigma={args.sigma}) clipped to [256, 32768]",
+                    "count": len(all_lens),
+                    "min": min(all_lens),
+                    "p50": int(np.median(all_lens)),
+                    "p90": int(np.percentile(all_lens, 90)),
+                    "max": max(all_lens),
+                    "per_step_max": [max(lens) for lens in steps_lens],
+                },
+            },
+            "results": results,
+            "speedup_vs_static4": {
+                k: v["tokens_per_s"] / base for k, v in results.items() if base and "tokens_per_s" in v
+            },
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+        print(json.dumps(record["speedup_vs_static4"]), flush=True)
+    destroy_parallel()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

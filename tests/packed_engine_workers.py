@@ -1,0 +1,157 @@
+"""Per-rank functions of the packed-batch (static / dynamic CP) engine tests, CPU (gloo) and GPU (NCCL).
+
+Every rank builds the engine from an SFT config given as verl override strings (so the config switch
+``megatron.dynamic_context_parallel`` / ``max_seqlen_per_dp_cp_rank`` / ``context_parallel_size`` is what
+is tested), gets the same global batch, and reports loss, gradients, log-probs and, after optimizer
+steps, the losses of later steps. megatron-core is initialised with context_parallel_size=1: the DP x CP
+pool is the whole world (TP = PP = 1 here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 256
+
+
+def packed_batch(lengths: tuple[int, ...], *, seed: int, masked: bool = False) -> Any:
+    """The same packed batch on every rank; ``masked``: only the second half of each sequence is a target."""
+    from verl_engine.packed import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    masks = None
+    if masked:
+        masks = [torch.arange(n) >= n // 2 for n in lengths]
+    return PackedBatch.from_sequences(seqs, label_masks=masks)
+
+
+def _engine(device: str, overrides: list[str], max_tokens_per_rank: int | None) -> Any:
+    from verl_config import SFTConfig, load_config
+    from verl_engine.engine import build_engine
+    from verl_engine.packed import cp_layout_from_config
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.presets import qwen2_preset
+
+    cfg = load_config(
+        SFTConfig,
+        overrides=["model.preset=tiny", "optim.lr_warmup_steps=0", "optim.clip_grad=0", *overrides],
+    )
+    dims = init_parallel(device=device)  # CP lives in verl-dyncp's groups, not megatron's state
+    hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    layout = cp_layout_from_config(cfg.megatron, max_tokens_per_rank=max_tokens_per_rank)
+    return build_engine(cfg, hf_config=hf, dims=dims, device=dev, cp_layout=layout), cfg
+
+
+def packed_run(
+    rank: int,
+    world_size: int,
+    device: str,
+    overrides: list[str],
+    batches: list[tuple[tuple[int, ...], int, bool]],
+    max_tokens_per_rank: int | None = None,
+) -> dict[str, Any]:
+    """Log-probs of batch 0, then one optimizer step per batch; gradients and log-probs of step 1."""
+    engine, cfg = _engine(device, overrides, max_tokens_per_rank)
+    data = [packed_batch(lens, seed=seed, masked=masked) for lens, seed, masked in batches]
+    logp = engine.compute_log_probs(data[0]).cpu()
+    losses, grads, plans = [], None, []
+    for step, batch in enumerate(data):
+        plans.append(_plan_summary(engine, batch))
+        loss, tokens = engine.compute_gradients_packed(batch)
+        if step == 0:
+            grads = engine.named_gradients()
+        engine.set_lr(cfg.optim.lr)
+        engine.optimizer_step()
+        losses.append(loss)
+    logp_after = engine.compute_log_probs(data[0]).cpu()
+    return {
+        "losses": losses,
+        "tokens": tokens,
+        "grads": grads,
+        "logp": logp,
+        "logp_after": logp_after,
+        "plans": plans,
+        "engine": engine.describe(),
+        "positions": _merged_positions(engine, data[0]),
+    }
+
+
+def _plan_summary(engine: Any, batch: Any) -> list[tuple[int, ...]]:
+    """The CP size(s) of every micro-batch of ``batch`` (what the planner chose)."""
+    return [
+        tuple(sorted({b.size for b in mb.plan.blocks}, reverse=True))
+        for _, mb, _ in engine._prepare_packed(batch)
+    ]
+
+
+def _merged_positions(engine: Any, batch: Any) -> list[int]:
+    """The RoPE position of every token as each rank holds it, merged back to the original order."""
+    from verl_dyncp.planner import dynamic_cp_merge_output
+
+    out: list[int] = [0] * sum(batch.seq_lens)
+    cu = batch.cu_seqlens
+    for indices, mb, _ in engine._prepare_packed(batch):
+        merged = dynamic_cp_merge_output(
+            mb.batch.position_ids.to(engine.device), micro_batch=mb, groups=engine.cp_groups
+        ).tolist()
+        offset = 0
+        for i in indices:
+            n = batch.seq_lens[i]
+            out[cu[i] : cu[i] + n] = merged[offset : offset + n]
+            offset += n
+    return out
+
+
+def packed_errors(
+    rank: int,
+    world_size: int,
+    overrides: list[str],
+    cases: list[list[tuple[int, ...]]],
+    max_tokens_per_rank: int | None = None,
+) -> list[str]:
+    """Train on bad batches (per case: lengths per rank, cycled); return every error message.
+
+    Every rank must raise the same clear error and none may hang; the engine stays usable afterwards
+    (a good batch is trained last).
+    """
+    engine, _ = _engine("cpu", overrides, max_tokens_per_rank)
+    messages = []
+    for lengths_by_rank in cases:
+        batch = packed_batch(lengths_by_rank[rank % len(lengths_by_rank)], seed=5)
+        try:
+            engine.compute_gradients_packed(batch)
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    loss, _ = engine.compute_gradients_packed(packed_batch((9, 4), seed=1))
+    messages.append(f"then trained: {loss:.4f}")
+    return messages
+
+
+def hf_log_probs(ckpt: str, lengths: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Reference log-probs from Hugging Face transformers, one sequence at a time, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    batch = packed_batch(lengths, seed=seed)
+    out = []
+    with torch.no_grad():
+        for seq in torch.split(batch.input_ids, list(lengths)):
+            logits = model(input_ids=seq[None]).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)[:-1].gather(1, seq[1:, None])[:, 0]
+            out.append(torch.cat((torch.zeros(1), lp)))
+    return torch.cat(out)
+
+
+def save_engine_weights(rank: int, world_size: int, overrides: list[str], path: str) -> None:
+    """Write the engine's initial weights as a Hugging Face checkpoint (same seed as packed_run)."""
+    from verl_mcore_utils.presets import qwen2_preset
+    from verl_mcore_utils.weights import save_hf_weights
+
+    engine, cfg = _engine("cpu", overrides, 4096)
+    hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
+    save_hf_weights(engine.model, path, hf_config=hf)

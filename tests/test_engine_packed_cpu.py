@@ -1,0 +1,118 @@
+"""CPU, gloo, fp32: verl-engine on packed batches with static and dynamic CP equals the no-CP run.
+
+The layouts are switched by the verl config keys (``megatron.context_parallel_size``,
+``megatron.dynamic_context_parallel``, ``megatron.max_seqlen_per_dp_cp_rank``). Reference: the same engine
+on ONE process without CP (every sequence whole), and for log-probs also Hugging Face transformers on
+the engine's initial weights (an independent RoPE / position check). Compared, with 1e-5 relative
+tolerance (fp32; only reduction order differs): the loss of three optimizer steps, every parameter
+gradient of step 1, log-probs before and after training, and the RoPE position of every token.
+
+Batches: a mixed one (lengths 1, 5, 16, 23, 37, 64, 100: a length-1 sequence, lengths at power-of-two
+boundaries of the budget, target mask on half the tokens), all sequences of equal length, and one
+sequence (fewer sequences than CP groups: idle groups run dummy work).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_workers import max_rel_err
+from packed_engine_workers import hf_log_probs, packed_errors, packed_run, save_engine_weights
+from verl_mcore_utils.testing import run_distributed
+
+TOL = 1e-5
+MIXED = (37, 1, 64, 5, 100, 16, 23)
+BATCHES = [(MIXED, 11, True), ((20,) * 6, 12, False), ((90,), 13, False)]
+DYN = ["megatron.dynamic_context_parallel=true"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    (ref,) = run_distributed(packed_run, world_size=1, args=("cpu", [], BATCHES, 4096))
+    return ref
+
+
+def _check(out: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert len(out["losses"]) == len(ref["losses"]) == 3
+    for got, want in zip(out["losses"], ref["losses"], strict=True):
+        assert abs(got - want) <= TOL * abs(want), (out["losses"], ref["losses"])
+    assert out["grads"].keys() == ref["grads"].keys() and len(ref["grads"]) > 10
+    for name, g in out["grads"].items():
+        assert max_rel_err(g, ref["grads"][name]) <= TOL, name
+    assert max_rel_err(out["logp"], ref["logp"]) <= TOL
+    assert max_rel_err(out["logp_after"], ref["logp_after"]) <= TOL
+    assert out["positions"] == ref["positions"]
+
+
+def test_reference_log_probs_and_positions_match_transformers(reference: dict, tmp_path: Path) -> None:
+    run_distributed(save_engine_weights, world_size=1, args=([], str(tmp_path)))
+    hf = hf_log_probs(str(tmp_path), MIXED, seed=11)
+    assert max_rel_err(reference["logp"], hf) <= TOL, max_rel_err(reference["logp"], hf)
+    expected_positions = [p for n in MIXED for p in range(n)]
+    assert reference["positions"] == expected_positions
+    # training moved the weights: the parity below is not between two untrained copies
+    assert max_rel_err(reference["logp_after"], reference["logp"]) > 1e-3
+    assert reference["losses"][2] != reference["losses"][0]
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "budget", "plans"),
+    [
+        # static CP 2 / 4: every micro-batch on groups of that size
+        (2, ["megatron.context_parallel_size=2"], 64, None),
+        (4, ["megatron.context_parallel_size=4"], 64, None),
+        (4, ["megatron.context_parallel_size=2"], 64, None),
+        # dynamic: k per micro-batch from max_seqlen_per_dp_cp_rank
+        (2, [*DYN, "megatron.max_seqlen_per_dp_cp_rank=64"], None, [[(2,), (1,)], [(1,)], [(2,)]]),
+        (4, [*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], None, [[(4,), (2,)], [(1,)], [(4,)]]),
+    ],
+    ids=["static2-w2", "static4-w4", "static2-w4", "dynamic-w2", "dynamic-w4"],
+)
+def test_cp_layouts_match_no_cp(
+    reference: dict, world: int, overrides: list[str], budget: int | None, plans: Any
+) -> None:
+    results = run_distributed(packed_run, world_size=world, args=("cpu", overrides, BATCHES, budget))
+    for out in results:
+        _check(out, reference)
+    plan = results[0]["plans"]
+    if plans is not None:
+        assert plan == plans
+    else:
+        k = int(overrides[0].split("=")[1])
+        assert {s for step in plan for mb in step for s in mb} == {k}
+    assert "CP" in results[0]["engine"]["packed"]
+
+
+def test_bad_batches_are_clear_errors_on_every_rank() -> None:
+    cases = [
+        [(70, 10)],  # one sequence longer than max_seqlen_per_dp_cp_rank x (DP x CP) = 32 x 2
+        [()],  # empty batch
+        [(9, 4), (9, 5)],  # ranks given different batches
+    ]
+    results = run_distributed(
+        packed_errors,
+        world_size=2,
+        args=([*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], cases),
+        timeout_s=240,
+    )
+    for messages in results:
+        too_long, empty, mismatch, after = messages
+        assert "70" in too_long and "max_seqlen_per_dp_cp_rank" in too_long and "64" in too_long, too_long
+        assert "empty batch" in empty, empty
+        assert "different packed batches" in mismatch, mismatch
+        assert after.startswith("then trained")
+    assert len({tuple(m) for m in results}) == 1  # the same errors everywhere
+
+
+def test_engine_refuses_cp_without_packed_layout() -> None:
+    from verl_config import SFTConfig, load_config
+    from verl_engine.engine import build_engine
+    from verl_mcore_utils.parallel import ParallelDims
+
+    cfg = load_config(SFTConfig, overrides=["model.preset=tiny", "megatron.context_parallel_size=2"])
+    with pytest.raises(ValueError, match="cp_layout"):
+        build_engine(cfg, hf_config={}, dims=ParallelDims(world_size=2, cp=2), device=torch.device("cpu"))
