@@ -3,11 +3,11 @@
 # 1.06B parameters with the engine's 128-token vocabulary), bf16, on 2 and 4 GPUs (run on the lent GPU machine).
 # Usage: bash benchmarks/mfsdp_1b.sh OUT_DIR "2 4"     (wheelhouse/ built, carried and installed, PYTHONPATH set)
 # Same data, seed and batch for every run: 32 sequences x 1024 tokens per step, micro-batch 4 per GPU,
-# 12 steps; tokens/s averages the steps after the first; peak memory is torch.cuda.max_memory_allocated on rank 0.
+# 8 steps; tokens/s averages the steps after the first; peak memory is torch.cuda.max_memory_allocated on rank 0.
 set -euo pipefail
 OUT=${1:?output dir}; GPUS=${2:-"2 4"}
 mkdir -p "$OUT"
-ARGS=(--preset 1b --steps 12 --global-batch-size 32 --micro-batch-size 4 --seq-len 1024 --no-progress)
+ARGS=(--preset 1b --steps 8 --global-batch-size 32 --micro-batch-size 4 --seq-len 1024 --no-progress)
 for n in $GPUS; do
   for variant in ddp optim optim_grads optim_grads_params; do
     if [ "$variant" = ddp ]; then
