@@ -48,3 +48,26 @@ def test_two_process_training_follows_single_process(tmp_path) -> None:
     assert double[1]["last_loss"] == pytest.approx(
         double[0]["last_loss"], rel=1e-12
     )  # every rank reports the same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cp",
+    [
+        ["megatron.context_parallel_size=2"],
+        ["megatron.dynamic_context_parallel=true", "megatron.max_seqlen_per_dp_cp_rank=48"],
+    ],
+    ids=["static-cp2", "dynamic-cp"],
+)
+def test_context_parallel_training_follows_padded_single_process(tmp_path, cp: list[str]) -> None:
+    """`verl-engine train` with CP keys packs the same batches (padding dropped, same loss tokens) and
+    splits them over 2 gloo ranks; losses follow the padded single-process run (BSHD model, megatron's
+    RoPE) step for step."""
+    steps = ["trainer.total_training_steps=8"]
+    (single,) = run_distributed(run_train, world_size=1, args=([*_overrides(tmp_path, "pad"), *steps],))
+    packed = run_distributed(run_train, world_size=2, args=([*_overrides(tmp_path, "cp"), *steps, *cp],))
+    summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
+    assert "CP" in summary["engine"]["packed"], summary["engine"]
+    for step, (a, b) in enumerate(zip(single["losses"], packed[0]["losses"], strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
+    assert packed[1]["last_loss"] == packed[0]["last_loss"]

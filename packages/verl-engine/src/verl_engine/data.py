@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_engine.packed import PackedBatch
+
 __all__ = ["ArithmeticDataset", "Batch", "CharTokenizer"]
 
 
@@ -84,6 +86,22 @@ class Batch:
                 f"batch of {self.batch_size} sequences is not divisible by micro batch size {micro_batch_size}"
             )
         return [self.slice(i, i + micro_batch_size) for i in range(0, self.batch_size, micro_batch_size)]
+
+    def to_packed(self, *, pad_id: int) -> PackedBatch:
+        """The same sequences packed back to back without their trailing padding.
+
+        Each row's tokens are ``input_ids`` plus the last label; the training targets are the tokens the
+        loss mask selects (the answers), so the packed batch has exactly the padded batch's loss tokens.
+        """
+        full = torch.cat((self.input_ids, self.labels[:, -1:]), dim=1)
+        targets = torch.cat((torch.zeros_like(self.loss_mask[:, :1]), self.loss_mask), dim=1) > 0
+        seqs, masks = [], []
+        for ids, tgt in zip(full, targets, strict=True):
+            real = (ids != pad_id).nonzero()
+            n = int(real.max()) + 1 if real.numel() else 1
+            seqs.append(ids[:n])
+            masks.append(tgt[:n])
+        return PackedBatch.from_sequences(seqs, label_masks=masks)
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(

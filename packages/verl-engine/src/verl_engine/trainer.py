@@ -21,6 +21,7 @@ import torch
 from verl_config import SFTConfig
 from verl_engine.data import ArithmeticDataset, CharTokenizer
 from verl_engine.engine import build_engine, lr_at_step
+from verl_engine.packed import cp_layout_from_config
 from verl_mcore_utils.compat import mcore_version
 from verl_mcore_utils.parallel import destroy_parallel, init_parallel
 from verl_mcore_utils.presets import qwen2_preset
@@ -71,7 +72,8 @@ def train(cfg: SFTConfig) -> RunSummary:
     dims = init_parallel(
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-        context_parallel_size=m.context_parallel_size,
+        # packed (CP) runs keep megatron's CP at 1: verl-dyncp's groups split the DP x CP pool
+        context_parallel_size=1 if _packed(cfg) else m.context_parallel_size,
         device=device.type,
     )
     try:
@@ -80,16 +82,28 @@ def train(cfg: SFTConfig) -> RunSummary:
         destroy_parallel()
 
 
+def _packed(cfg: SFTConfig) -> bool:
+    """Context parallelism (static > 1 or dynamic) runs on packed sequences."""
+    return cfg.megatron.dynamic_context_parallel or cfg.megatron.context_parallel_size > 1
+
+
 def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
     from megatron.core import parallel_state
 
-    dp = cfg.check_world_size(dims.world_size)
+    # packed runs: the DP x CP pool shares every micro-batch, so the padded micro-batch rule does not apply
+    dp = dims.dp if _packed(cfg) else cfg.check_world_size(dims.world_size)
     rank = torch.distributed.get_rank()
     is_main = rank == 0
     tokenizer = CharTokenizer()
     vocab = tokenizer.padded_vocab_size(128 * cfg.megatron.tensor_model_parallel_size)
     hf_config = qwen2_preset(cfg.model.preset, vocab_size=vocab, **cfg.model.override_config)
-    engine = build_engine(cfg, hf_config=hf_config, dims=dims, device=device)
+    layout = None
+    if _packed(cfg):
+        # The same token budget per rank as a padded micro-batch.
+        layout = cp_layout_from_config(
+            cfg.megatron, max_tokens_per_rank=cfg.data.micro_batch_size_per_gpu * cfg.data.max_length
+        )
+    engine = build_engine(cfg, hf_config=hf_config, dims=dims, device=device, cp_layout=layout)
     n_params = sum(p.numel() for p in engine.model.parameters())
     engine_info = engine.describe()
     dataset = ArithmeticDataset(seq_length=cfg.data.max_length, seed=cfg.data.seed, tokenizer=tokenizer)
@@ -125,7 +139,6 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
     tokens_per_step = cfg.data.train_batch_size * cfg.data.max_length
     for step in range(steps):
         batch = dataset.global_batch(step=step, batch_size=cfg.data.train_batch_size)
-        local = batch.shard(rank=dp_rank, num_shards=dp).micro_batches(cfg.data.micro_batch_size_per_gpu)
         lr = lr_at_step(
             step,
             total_steps=steps,
@@ -135,7 +148,11 @@ def _train(cfg: SFTConfig, *, device: torch.device, dims: Any) -> RunSummary:
             style=cfg.optim.lr_decay_style,
         )
         start = time.perf_counter()
-        metrics = engine.train_step(local, lr=lr)
+        if layout is not None:  # the whole batch on every rank; the planner splits it
+            metrics = engine.train_step_packed(batch.to_packed(pad_id=tokenizer.pad_id), lr=lr)
+        else:
+            local = batch.shard(rank=dp_rank, num_shards=dp).micro_batches(cfg.data.micro_batch_size_per_gpu)
+            metrics = engine.train_step(local, lr=lr)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
