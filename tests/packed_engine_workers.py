@@ -39,7 +39,14 @@ def _engine(device: str, overrides: list[str], max_tokens_per_rank: int | None) 
         SFTConfig,
         overrides=["model.preset=tiny", "optim.lr_warmup_steps=0", "optim.clip_grad=0", *overrides],
     )
-    dims = init_parallel(device=device)  # CP lives in verl-dyncp's groups, not megatron's state
+    from megatron.core import parallel_state
+
+    from verl_mcore_utils.parallel import ParallelDims
+
+    if parallel_state.model_parallel_is_initialized():  # several engines in one process group
+        dims = ParallelDims(world_size=torch.distributed.get_world_size())
+    else:
+        dims = init_parallel(device=device)  # CP lives in verl-dyncp's groups, not megatron's state
     hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     layout = cp_layout_from_config(cfg.megatron, max_tokens_per_rank=max_tokens_per_rank)
@@ -78,6 +85,17 @@ def packed_run(
         "engine": engine.describe(),
         "positions": _merged_positions(engine, data[0]),
     }
+
+
+def packed_runs(
+    rank: int,
+    world_size: int,
+    device: str,
+    variants: list[tuple[list[str], int | None]],
+    batches: list[tuple[tuple[int, ...], int, bool]],
+) -> list[dict[str, Any]]:
+    """:func:`packed_run` for several (overrides, budget) layouts in ONE process group (one spawn)."""
+    return [packed_run(rank, world_size, device, o, batches, budget) for o, budget in variants]
 
 
 def _plan_summary(engine: Any, batch: Any) -> list[tuple[int, ...]]:

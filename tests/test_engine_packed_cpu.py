@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine_workers import max_rel_err
-from packed_engine_workers import hf_log_probs, packed_errors, packed_run, save_engine_weights
+from packed_engine_workers import hf_log_probs, packed_errors, packed_run, packed_runs, save_engine_weights
 from verl_mcore_utils.testing import run_distributed
 
 TOL = 1e-5
@@ -59,32 +59,37 @@ def test_reference_log_probs_and_positions_match_transformers(reference: dict, t
     assert reference["losses"][2] != reference["losses"][0]
 
 
-@pytest.mark.parametrize(
-    ("world", "overrides", "budget", "plans"),
-    [
-        # static CP 2 / 4: every micro-batch on groups of that size
-        (2, ["megatron.context_parallel_size=2"], 64, None),
-        (4, ["megatron.context_parallel_size=4"], 64, None),
-        (4, ["megatron.context_parallel_size=2"], 64, None),
-        # dynamic: k per micro-batch from max_seqlen_per_dp_cp_rank
-        (2, [*DYN, "megatron.max_seqlen_per_dp_cp_rank=64"], None, [[(2,), (1,)], [(1,)], [(2,)]]),
-        (4, [*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], None, [[(4,), (2,)], [(1,)], [(4,)]]),
+# (overrides, micro-batch budget per rank, expected CP sizes per micro-batch of each step or None = static)
+LAYOUTS = {
+    2: [
+        (["megatron.context_parallel_size=2"], 64, None),
+        ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=64"], None, [[(2,), (1,)], [(1,)], [(2,)]]),
     ],
-    ids=["static2-w2", "static4-w4", "static2-w4", "dynamic-w2", "dynamic-w4"],
-)
-def test_cp_layouts_match_no_cp(
-    reference: dict, world: int, overrides: list[str], budget: int | None, plans: Any
-) -> None:
-    results = run_distributed(packed_run, world_size=world, args=("cpu", overrides, BATCHES, budget))
-    for out in results:
-        _check(out, reference)
-    plan = results[0]["plans"]
-    if plans is not None:
-        assert plan == plans
-    else:
-        k = int(overrides[0].split("=")[1])
-        assert {s for step in plan for mb in step for s in mb} == {k}
-    assert "CP" in results[0]["engine"]["packed"]
+    4: [
+        (["megatron.context_parallel_size=4"], 64, None),
+        (["megatron.context_parallel_size=2"], 64, None),
+        ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], None, [[(4,), (2,)], [(1,)], [(4,)]]),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_layouts_match_no_cp(reference: dict, world: int) -> None:
+    """Static CP 2 / 4 and dynamic CP (k per micro-batch from max_seqlen_per_dp_cp_rank), one spawn per world."""
+    layouts = LAYOUTS[world]
+    variants = [(overrides, budget) for overrides, budget, _ in layouts]
+    per_rank = run_distributed(packed_runs, world_size=world, args=("cpu", variants, BATCHES), timeout_s=400)
+    for i, (overrides, _, plans) in enumerate(layouts):
+        results = [rank_results[i] for rank_results in per_rank]
+        for out in results:
+            _check(out, reference)
+        plan = results[0]["plans"]
+        if plans is not None:
+            assert plan == plans, overrides
+        else:
+            k = int(overrides[0].split("=")[1])
+            assert {s for step in plan for mb in step for s in mb} == {k}
+        assert "CP" in results[0]["engine"]["packed"]
 
 
 def test_bad_batches_are_clear_errors_on_every_rank() -> None:

@@ -50,6 +50,15 @@ def test_two_process_training_follows_single_process(tmp_path) -> None:
     )  # every rank reports the same
 
 
+@pytest.fixture(scope="module")
+def padded_8_steps(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("pad")
+    (single,) = run_distributed(
+        run_train, world_size=1, args=([*_overrides(tmp, "pad"), "trainer.total_training_steps=8"],)
+    )
+    return single
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "cp",
@@ -59,12 +68,14 @@ def test_two_process_training_follows_single_process(tmp_path) -> None:
     ],
     ids=["static-cp2", "dynamic-cp"],
 )
-def test_context_parallel_training_follows_padded_single_process(tmp_path, cp: list[str]) -> None:
+def test_context_parallel_training_follows_padded_single_process(
+    tmp_path, padded_8_steps: dict, cp: list[str]
+) -> None:
     """`verl-engine train` with CP keys packs the same batches (padding dropped, same loss tokens) and
     splits them over 2 gloo ranks; losses follow the padded single-process run (BSHD model, megatron's
     RoPE) step for step."""
     steps = ["trainer.total_training_steps=8"]
-    (single,) = run_distributed(run_train, world_size=1, args=([*_overrides(tmp_path, "pad"), *steps],))
+    single = padded_8_steps
     packed = run_distributed(run_train, world_size=2, args=([*_overrides(tmp_path, "cp"), *steps, *cp],))
     summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
     assert "CP" in summary["engine"]["packed"], summary["engine"]
