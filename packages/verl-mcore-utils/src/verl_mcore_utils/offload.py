@@ -69,8 +69,10 @@ __all__ = [
     "is_offloaded",
     "offload_megatron_model",
     "offload_megatron_optimizer",
+    "offload_tensors",
     "onload_megatron_model",
     "onload_megatron_optimizer",
+    "onload_tensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -507,8 +509,9 @@ def _check_model_supported(chunk: torch.nn.Module) -> None:
     if ddp_config is not None:
         if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
             raise NotImplementedError(
-                "offloading a Megatron-FSDP model is not supported: its sharded parameters and buffers"
-                " are managed by Megatron-FSDP (verl had the same gap: 'invalid python storage')"
+                "offloading a Megatron-FSDP model is not supported here: its sharded parameters and buffers"
+                " are managed by Megatron-FSDP (verl had the same gap: 'invalid python storage'); use"
+                " verl_mfsdp.offload_megatron_fsdp_model / offload_megatron_fsdp_optimizer"
             )
         if getattr(ddp_config, "nccl_ub", False):
             raise NotImplementedError(
@@ -661,3 +664,38 @@ def onload_megatron_optimizer(optimizer: Any) -> OffloadStats:
     if state is None:
         raise OffloadStateError(f"optimizer of {_label(optimizer)} was never offloaded; nothing to onload")
     return _onload([(state, "optimizer")])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Explicit tensors (for wrappers whose memory layout this module does not know, e.g. Megatron-FSDP)
+# ---------------------------------------------------------------------------------------------------
+
+
+def offload_tensors(
+    groups: Sequence[tuple[Any, str, Iterable[torch.Tensor | None]]],
+    *,
+    pin_memory: bool | None = None,
+    empty_cache: bool = True,
+) -> OffloadStats:
+    """Offload explicitly listed tensors, as ``(owner, kind, tensors)`` groups, with one synchronize.
+
+    Why: a wrapper with its own buffers (verl_mfsdp's Megatron-FSDP support) knows which tensors
+    hold its state; this lets it reuse the same host buffers, bookkeeping and rules as the DDP
+    functions above instead of a second implementation. Pass plain tensors (a DTensor's local shard,
+    not the DTensor). All groups are checked before anything moves.
+    """
+    jobs = [
+        (get_offload_state(owner, pin_memory=pin_memory), kind, tensors) for owner, kind, tensors in groups
+    ]
+    return _offload(jobs, empty_cache)
+
+
+def onload_tensors(groups: Sequence[tuple[Any, str]]) -> OffloadStats:
+    """Bring back the ``(owner, kind)`` groups that :func:`offload_tensors` moved, bit for bit."""
+    jobs = []
+    for owner, kind in groups:
+        state = _STATES.get(owner)
+        if state is None:
+            raise OffloadStateError(f"{kind!r} of {_label(owner)} was never offloaded; nothing to onload")
+        jobs.append((state, kind))
+    return _onload(jobs)

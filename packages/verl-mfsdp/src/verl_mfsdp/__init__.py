@@ -1,8 +1,48 @@
-"""verl_mfsdp: Megatron-FSDP as a training backend (DDP settings, wrapping, param sync, offload, checkpoints).
+"""verl_mfsdp: Megatron-FSDP as a training backend (DDP settings, wrapping, param sync, offload, export, checkpoints).
 
-The package is part of the workspace layout; its API is not implemented yet and nothing is exported.
+Every name below is importable from the package root; the submodules say why each piece exists.
 """
+
+from verl_mfsdp.checkpoint import (
+    CHECKPOINT_INFO_FILE,
+    load_megatron_fsdp_checkpoint,
+    read_megatron_fsdp_checkpoint_info,
+    save_megatron_fsdp_checkpoint,
+)
+from verl_mfsdp.export import export_megatron_fsdp_hf_weights
+from verl_mfsdp.offload import (
+    megatron_fsdp_chunks,
+    offload_megatron_fsdp_model,
+    offload_megatron_fsdp_optimizer,
+    onload_megatron_fsdp_model,
+    onload_megatron_fsdp_optimizer,
+)
+from verl_mfsdp.settings import SHARDING_STRATEGIES, megatron_fsdp_ddp_config, megatron_fsdp_defaults
+from verl_mfsdp.wrap import (
+    make_megatron_fsdp_module,
+    make_megatron_fsdp_optimizer,
+    restart_megatron_fsdp_param_sync,
+    synchronize_megatron_fsdp_params,
+)
 
 __version__ = "0.1.0.dev0"
 
-__all__: list[str] = []
+__all__ = [
+    "CHECKPOINT_INFO_FILE",
+    "SHARDING_STRATEGIES",
+    "export_megatron_fsdp_hf_weights",
+    "load_megatron_fsdp_checkpoint",
+    "make_megatron_fsdp_module",
+    "make_megatron_fsdp_optimizer",
+    "megatron_fsdp_chunks",
+    "megatron_fsdp_ddp_config",
+    "megatron_fsdp_defaults",
+    "offload_megatron_fsdp_model",
+    "offload_megatron_fsdp_optimizer",
+    "onload_megatron_fsdp_model",
+    "onload_megatron_fsdp_optimizer",
+    "read_megatron_fsdp_checkpoint_info",
+    "restart_megatron_fsdp_param_sync",
+    "save_megatron_fsdp_checkpoint",
+    "synchronize_megatron_fsdp_params",
+]
