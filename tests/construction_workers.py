@@ -23,38 +23,43 @@ def _collectives(fn: Any) -> set[str]:
     return found
 
 
+def make_provider(path: str, *, ckpt: str | None) -> Any:
+    """A tiny Qwen2 through construction path ``path``: provider (ours), mbridge (from ``ckpt``) or plain spec."""
+    from verl_mcore_utils.model import local_layer_spec
+    from verl_mcore_utils.module import GPTModelProvider, SpecProvider
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+    if path == "mbridge":
+        from verl_mcore_utils.bridges import MBridgeProvider
+
+        assert ckpt is not None  # saved by the parent process (as the checkpoint a trainer would load)
+        return MBridgeProvider.from_pretrained(ckpt, device="cuda", dtype="bfloat16")
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+
+    hf = tiny_hf_config("qwen2").to_dict()
+    tf = hf_to_transformer_config(hf, dtype="bfloat16")
+    if path == "provider":
+        return GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
+    return SpecProvider(
+        transformer_config=tf,
+        layer_spec=local_layer_spec(tf),
+        vocab_size=128,
+        max_sequence_length=64,
+        device="cuda",
+    )
+
+
 def build_and_reduce(
     rank: int, world_size: int, path: str, use_dist_opt: bool, override: dict | None, ckpt: str | None = None
 ) -> dict:
     """Build a tiny model through ``path``, wrap it with DDP, run one backward and one grad sync."""
     from verl_mcore_utils.ddp import WrapConfig
-    from verl_mcore_utils.model import local_layer_spec
-    from verl_mcore_utils.module import GPTModelProvider, SpecProvider, make_megatron_module
+    from verl_mcore_utils.module import make_megatron_module
     from verl_mcore_utils.parallel import init_parallel
-    from verl_mcore_utils.transformer_config import hf_to_transformer_config
 
     init_parallel(device="cuda")
     torch.manual_seed(0)
-    if path == "mbridge":
-        from verl_mcore_utils.bridges import MBridgeProvider
-
-        assert ckpt is not None  # saved by the parent process (as the checkpoint a trainer would load)
-        provider: Any = MBridgeProvider.from_pretrained(ckpt, device="cuda", dtype="bfloat16")
-    else:
-        from verl_mcore_utils.hf_testing import tiny_hf_config
-
-        hf = tiny_hf_config("qwen2").to_dict()
-        tf = hf_to_transformer_config(hf, dtype="bfloat16")
-        if path == "provider":
-            provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
-        else:
-            provider = SpecProvider(
-                transformer_config=tf,
-                layer_spec=local_layer_spec(tf),
-                vocab_size=128,
-                max_sequence_length=64,
-                device="cuda",
-            )
+    provider = make_provider(path, ckpt=ckpt)
     chunks = make_megatron_module(
         provider, wrap_config=WrapConfig(use_distributed_optimizer=use_dist_opt), override_ddp_config=override
     )

@@ -8,9 +8,19 @@ import torch
 
 
 def train_steps(
-    rank: int, world_size: int, backend_kind: str, steps: int, strategy: str | None
+    rank: int,
+    world_size: int,
+    backend_kind: str,
+    steps: int,
+    strategy: str | None,
+    path: str | None = None,
+    ckpt: str | None = None,
 ) -> dict[str, Any]:
-    """``steps`` Adam steps of a tiny Qwen2 on fixed data with DDP + distributed optimizer or Megatron-FSDP."""
+    """``steps`` Adam steps of a tiny Qwen2 on fixed data with DDP + distributed optimizer or Megatron-FSDP.
+
+    ``path``: None = our provider with a 4-layer hidden-128 model; "provider" / "mbridge" / "spec" = the tiny
+    model of that construction path (construction_workers.make_provider).
+    """
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -33,6 +43,10 @@ def train_steps(
     hf = tiny_hf_config("qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=4).to_dict()
     tf = hf_to_transformer_config(hf, dtype="bfloat16")
     provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
+    if path is not None:
+        from construction_workers import make_provider
+
+        provider = make_provider(path, ckpt=ckpt)
     opt_cfg = OptimizerConfig(
         optimizer="adam",
         lr=3e-3,
