@@ -205,16 +205,21 @@ class Engine:
         prepared = self._prepare_packed(batch)
         cu = batch.cu_seqlens
         out = torch.zeros(cu[-1], dtype=torch.float32, device=self.device)
-        for indices, mb, params in prepared:
-            per_token_loss, _ = self._packed_forward(self.model, (indices, mb, params))
-            merged = dynamic_cp_merge_output(
-                -per_token_loss.reshape(-1).float(), micro_batch=mb, groups=self.cp_groups
-            )
-            offset = 0
-            for i in indices:  # merged is label-aligned: slot j predicts token j + 1 of the sequence
-                n = batch.seq_lens[i]
-                out[cu[i] + 1 : cu[i] + n] = merged[offset : offset + n - 1]
-                offset += n
+        was_training = self.model.training
+        self.model.eval()  # inference: no dropout
+        try:
+            for indices, mb, params in prepared:
+                per_token_loss, _ = self._packed_forward(self.model, (indices, mb, params))
+                merged = dynamic_cp_merge_output(
+                    -per_token_loss.reshape(-1).float(), micro_batch=mb, groups=self.cp_groups
+                )
+                offset = 0
+                for i in indices:  # merged is label-aligned: slot j predicts token j + 1 of the sequence
+                    n = batch.seq_lens[i]
+                    out[cu[i] + 1 : cu[i] + n] = merged[offset : offset + n - 1]
+                    offset += n
+        finally:
+            self.model.train(was_training)
         return out
 
     def _prepare_packed(self, batch: PackedBatch) -> list[tuple[tuple[int, ...], Any, Any]]:
