@@ -44,9 +44,14 @@ def _engine(device: str, overrides: list[str], max_tokens_per_rank: int | None) 
     from verl_mcore_utils.parallel import ParallelDims
 
     if parallel_state.model_parallel_is_initialized():  # several engines in one process group
-        dims = ParallelDims(world_size=torch.distributed.get_world_size())
-    else:
-        dims = init_parallel(device=device)  # CP lives in verl-dyncp's groups, not megatron's state
+        dims = ParallelDims(
+            world_size=torch.distributed.get_world_size(),
+            tp=parallel_state.get_tensor_model_parallel_world_size(),
+        )
+    else:  # CP lives in verl-dyncp's groups, not in megatron's state
+        dims = init_parallel(
+            tensor_model_parallel_size=cfg.megatron.tensor_model_parallel_size, device=device
+        )
     hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     layout = cp_layout_from_config(cfg.megatron, max_tokens_per_rank=max_tokens_per_rank)
@@ -69,7 +74,7 @@ def packed_run(
     for step, batch in enumerate(data):
         plans.append(_plan_summary(engine, batch))
         loss, tokens = engine.compute_gradients_packed(batch)
-        if step == 0:
+        if step == 0 and engine.dims.tp == 1:  # under TP each rank holds its own shards
             grads = engine.named_gradients()
         engine.set_lr(cfg.optim.lr)
         engine.optimizer_step()
