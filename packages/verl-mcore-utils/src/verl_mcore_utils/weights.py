@@ -56,6 +56,7 @@ __all__ = [
     "hf_to_megatron",
     "layer_param_mappings",
     "load_hf_weights",
+    "local_megatron_params",
     "megatron_to_hf",
     "merge_gate_up",
     "merge_qkv",
@@ -63,6 +64,7 @@ __all__ = [
     "save_hf_weights",
     "split_gate_up",
     "split_qkv",
+    "tp_unshard",
     "unwrap_model_chunks",
 ]
 
@@ -379,8 +381,9 @@ def _tp_shard(full: torch.Tensor, mapping: ParamMapping, rank: int, size: int) -
     return full.chunk(size, dim=mapping.tp_dim)[rank]
 
 
-def _tp_unshard(parts: Sequence[torch.Tensor], mapping: ParamMapping) -> torch.Tensor:
-    """Inverse of :func:`_tp_shard` over the TP ranks' slices, in rank order."""
+def tp_unshard(parts: Sequence[torch.Tensor], mapping: ParamMapping) -> torch.Tensor:
+    """Inverse of :func:`_tp_shard` over the TP ranks' slices, in rank order (public: wrappers that gather
+    TP slices themselves, e.g. verl_mfsdp's Megatron-FSDP export, put them back in megatron's layout)."""
     if mapping.tp_dim is None or len(parts) == 1:
         return parts[0]
     if mapping.fusion == "gate_up":
@@ -447,8 +450,13 @@ def _groups() -> _Groups:
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _local_params(chunks: Sequence[GPTModel], dims: HFDims) -> dict[str, tuple[ParamMapping, torch.Tensor]]:
-    """This rank's parameters by global megatron name, each with its mapping; unmapped ones are errors."""
+def local_megatron_params(
+    chunks: Sequence[GPTModel], dims: HFDims
+) -> dict[str, tuple[ParamMapping, torch.Tensor]]:
+    """This rank's parameters by global megatron name, each with its mapping; unmapped ones are errors.
+
+    Public so that other exporters (verl_mfsdp) walk the same name table instead of a copy of it.
+    """
     table = {m.megatron_name: m for m in param_mappings(hf_config=dims)}
     if dims.tie_word_embeddings:
         table[_TIED_OUTPUT.megatron_name] = _TIED_OUTPUT
@@ -595,7 +603,7 @@ def load_hf_weights(
     dims = _as_dims(hf_config)
     chunks = unwrap_model_chunks(model_chunks)
     groups = _groups()
-    local = _local_params(chunks, dims)
+    local = local_megatron_params(chunks, dims)
     with contextlib.ExitStack() as stack:
         src = _Source(source, stack)
         _check_source(src, dims)
@@ -659,7 +667,9 @@ def export_hf_weights(
     chunks = unwrap_model_chunks(model_chunks)
     groups = _groups()
     local = {
-        name: entry for name, entry in _local_params(chunks, dims).items() if entry[0] is not _TIED_OUTPUT
+        name: entry
+        for name, entry in local_megatron_params(chunks, dims).items()
+        if entry[0] is not _TIED_OUTPUT
     }
     device = next(p for c in chunks for p in c.parameters()).device
     owned = {
@@ -694,7 +704,7 @@ def export_hf_weights(
                 # on torch.cuda.current_device(), which breaks gloo on CPU hosts.
                 parts = [torch.empty_like(param) for _ in range(groups.tp_size)]
                 dist.all_gather(parts, param.contiguous(), group=groups.tp_group)
-                full = _tp_unshard(parts, mapping)
+                full = tp_unshard(parts, mapping)
             else:
                 full = param
         else:

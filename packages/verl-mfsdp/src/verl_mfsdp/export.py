@@ -70,11 +70,12 @@ def export_megatron_fsdp_hf_weights(
     dims = weights.HFDims.from_hf_config(hf_config)
     # Every chunk, not just the first: a stale later chunk would be exported silently otherwise.
     synchronize_megatron_fsdp_params(chunks)
-    local = weights._local_params(weights.unwrap_model_chunks(chunks), dims)
+    local = weights.local_megatron_params(weights.unwrap_model_chunks(chunks), dims)
     mappings = weights.param_mappings(hf_config=dims)
     absent = [m.megatron_name for m in mappings if m.megatron_name not in local]
     if absent:
-        raise ValueError(f"no model chunk holds megatron parameters {weights._few(absent)}")
+        shown = ", ".join(absent[:12]) + (f" ... ({len(absent)} in all)" if len(absent) > 12 else "")
+        raise ValueError(f"no model chunk holds megatron parameters {shown}")
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for mapping in mappings:
         param = local[mapping.megatron_name][1]
@@ -82,5 +83,5 @@ def export_megatron_fsdp_hf_weights(
         if mapping.tp_dim is not None and tp_size > 1:
             # The DTensor's global tensor is the TP slices concatenated in rank order; megatron's full
             # layout differs for fused gate/up, so put it back with the slices' own inverse.
-            full = weights._tp_unshard(full.chunk(tp_size, dim=mapping.tp_dim), mapping)
+            full = weights.tp_unshard(full.chunk(tp_size, dim=mapping.tp_dim), mapping)
         yield from weights.megatron_to_hf(mapping, full, hf_config=dims)
