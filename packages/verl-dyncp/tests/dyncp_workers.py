@@ -216,6 +216,7 @@ def _planner_checks(rank: int, world: int) -> dict[str, Any]:
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)  # several ranks share 2 cores
     return {
         "groups": _group_checks(rank, world),
         "thd": _thd_checks(rank, world),
@@ -225,6 +226,7 @@ def all_checks(rank: int, world: int) -> dict[str, Any]:
 
 @functools.cache
 def results(world: int) -> list[dict[str, Any]]:
-    from dyncp_dist import run_gloo
+    # verl_mcore_utils.testing imports no megatron-core: the spawned ranks stay torch-only
+    from verl_mcore_utils.testing import run_distributed
 
-    return run_gloo(all_checks, world_size=world)
+    return run_distributed(all_checks, world_size=world, timeout_s=180)

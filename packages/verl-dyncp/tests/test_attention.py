@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from verl_mcore_utils.testing import run_distributed  # torch-only: the spawned ranks import no megatron-core
+
 # No verl_mcore_utils / megatron import at module level: the CP workers below import only torch and
 # verl_dyncp.thd_attention, which keeps 4 spawned processes cheap on a small CPU machine.
 
@@ -334,67 +336,6 @@ def test_bad_layouts_are_clear_errors() -> None:
 # 4 gloo processes: the (stateless) attention core under CP groups that change from call to call
 
 
-def _light_worker(rank: int, world_size: int, port: int, fn: Any, args: tuple[Any, ...], queue: Any) -> None:
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, fn(rank, world_size, *args), None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_light(
-    fn: Any, *, world_size: int, args: tuple[Any, ...] = (), timeout_s: float = 240.0
-) -> list[Any]:
-    """Like verl_mcore_utils.testing.run_distributed, but the children import only this module and torch.
-
-    run_distributed's worker lives in verl_mcore_utils, whose import pulls in megatron-core (about 15 s of
-    CPU per process); the functional attention core needs neither.
-    """
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    from verl_mcore_utils.testing import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_light_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    try:
-        while len(results) < world_size:
-            try:
-                rank, value, error = queue.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                raise AssertionError(
-                    f"ranks {sorted(set(range(world_size)) - set(results))} timed out"
-                ) from None
-            if error is not None:
-                raise AssertionError(f"rank {rank} failed:\n{error}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[r] for r in range(world_size)]
-
-
 def _dynamic_cp_worker(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -415,7 +356,7 @@ def _dynamic_cp_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_dynamic_cp_matches_no_cp_on_4_ranks() -> None:
-    results = [_as_torch(r) for r in _run_light(_dynamic_cp_worker, world_size=4)]
+    results = [_as_torch(r) for r in run_distributed(_dynamic_cp_worker, world_size=4, timeout_s=240)]
     errors: dict[str, dict[str, float]] = {}
     for rope in (False, True):
         for pair in range(2):
@@ -524,7 +465,6 @@ def _model_worker(rank: int, world_size: int, ckpt: str, lengths: tuple[int, ...
 @pytest.mark.slow
 def test_tiny_gpt_thd_cp2_matches_no_cp_model(tmp_path: Path) -> None:
     from verl_mcore_utils.hf_testing import save_tiny_hf_model
-    from verl_mcore_utils.testing import run_distributed
 
     ckpt = save_tiny_hf_model("qwen2", tmp_path / "qwen2")
     lengths = (9, 1, 20)
@@ -590,7 +530,6 @@ def test_gpu_varlen_matches_sdpa_cp2() -> None:
 
 
 def _check_gpu(world_size: int) -> None:
-    from verl_mcore_utils.testing import run_distributed
 
     raw = run_distributed(_gpu_worker, world_size=world_size, backend="nccl", timeout_s=300)
     if "skip" in raw[0]:

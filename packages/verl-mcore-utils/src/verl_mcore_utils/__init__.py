@@ -16,37 +16,94 @@ Public API:
 * Tests: :func:`run_distributed`, tiny Qwen2 presets, :mod:`hf_testing` (tiny random HF checkpoints).
 """
 
-from verl_mcore_utils.compat import ddp_config_fields, import_megatron_core, mcore_version
+from typing import TYPE_CHECKING, Any
 
-import_megatron_core()
+# Only the version helpers load eagerly. The rest is imported on first use (PEP 562), so that
+# ``import verl_mcore_utils.testing`` (the spawned-rank runner) or the compat helpers do not pull in
+# megatron-core (10-25 s per process on a small CPU machine). prepare_megatron_import() only sets the
+# environment megatron-core 0.15 needs to import on a GPU-less machine, before any submodule imports it.
+from verl_mcore_utils.compat import (
+    ddp_config_fields,
+    import_megatron_core,
+    mcore_version,
+    prepare_megatron_import,
+)
 
-from verl_mcore_utils.attention import SDPACoreAttention  # noqa: E402
-from verl_mcore_utils.ddp import WrapConfig, build_ddp_config  # noqa: E402
-from verl_mcore_utils.model import build_gpt_model, local_layer_spec  # noqa: E402
-from verl_mcore_utils.module import (  # noqa: E402
-    GPTModelProvider,
-    ModelProvider,
-    SpecProvider,
-    ValueHead,
-    attach_training_hooks,
-    get_model_config,
-    make_megatron_module,
-    unwrap_model,
-)
-from verl_mcore_utils.offload import (  # noqa: E402
-    OffloadStateError,
-    OffloadStats,
-    offload_megatron_model,
-    offload_megatron_optimizer,
-    onload_megatron_model,
-    onload_megatron_optimizer,
-)
-from verl_mcore_utils.parallel import ParallelDims, destroy_parallel, init_parallel  # noqa: E402
-from verl_mcore_utils.presets import PRESETS, qwen2_preset  # noqa: E402
-from verl_mcore_utils.rope import PortableRotaryEmbedding, make_rope_portable  # noqa: E402
-from verl_mcore_utils.testing import run_distributed  # noqa: E402
-from verl_mcore_utils.transformer_config import hf_to_transformer_config  # noqa: E402
-from verl_mcore_utils.weights import export_hf_weights, load_hf_weights, save_hf_weights  # noqa: E402
+prepare_megatron_import()
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from verl_mcore_utils.attention import SDPACoreAttention
+    from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+    from verl_mcore_utils.model import build_gpt_model, local_layer_spec
+    from verl_mcore_utils.module import (
+        GPTModelProvider,
+        ModelProvider,
+        SpecProvider,
+        ValueHead,
+        attach_training_hooks,
+        get_model_config,
+        make_megatron_module,
+        unwrap_model,
+    )
+    from verl_mcore_utils.offload import (
+        OffloadStateError,
+        OffloadStats,
+        offload_megatron_model,
+        offload_megatron_optimizer,
+        onload_megatron_model,
+        onload_megatron_optimizer,
+    )
+    from verl_mcore_utils.parallel import ParallelDims, destroy_parallel, init_parallel
+    from verl_mcore_utils.presets import PRESETS, qwen2_preset
+    from verl_mcore_utils.rope import PortableRotaryEmbedding, make_rope_portable
+    from verl_mcore_utils.testing import run_distributed
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+    from verl_mcore_utils.weights import export_hf_weights, load_hf_weights, save_hf_weights
+
+_LAZY: dict[str, str] = {
+    "GPTModelProvider": "verl_mcore_utils.module",
+    "ModelProvider": "verl_mcore_utils.module",
+    "OffloadStateError": "verl_mcore_utils.offload",
+    "OffloadStats": "verl_mcore_utils.offload",
+    "PRESETS": "verl_mcore_utils.presets",
+    "ParallelDims": "verl_mcore_utils.parallel",
+    "PortableRotaryEmbedding": "verl_mcore_utils.rope",
+    "SDPACoreAttention": "verl_mcore_utils.attention",
+    "SpecProvider": "verl_mcore_utils.module",
+    "ValueHead": "verl_mcore_utils.module",
+    "WrapConfig": "verl_mcore_utils.ddp",
+    "attach_training_hooks": "verl_mcore_utils.module",
+    "build_ddp_config": "verl_mcore_utils.ddp",
+    "build_gpt_model": "verl_mcore_utils.model",
+    "destroy_parallel": "verl_mcore_utils.parallel",
+    "export_hf_weights": "verl_mcore_utils.weights",
+    "get_model_config": "verl_mcore_utils.module",
+    "hf_to_transformer_config": "verl_mcore_utils.transformer_config",
+    "init_parallel": "verl_mcore_utils.parallel",
+    "load_hf_weights": "verl_mcore_utils.weights",
+    "local_layer_spec": "verl_mcore_utils.model",
+    "make_megatron_module": "verl_mcore_utils.module",
+    "make_rope_portable": "verl_mcore_utils.rope",
+    "offload_megatron_model": "verl_mcore_utils.offload",
+    "offload_megatron_optimizer": "verl_mcore_utils.offload",
+    "onload_megatron_model": "verl_mcore_utils.offload",
+    "onload_megatron_optimizer": "verl_mcore_utils.offload",
+    "qwen2_preset": "verl_mcore_utils.presets",
+    "run_distributed": "verl_mcore_utils.testing",
+    "save_hf_weights": "verl_mcore_utils.weights",
+    "unwrap_model": "verl_mcore_utils.module",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'verl_mcore_utils' has no attribute {name!r}")
+
 
 __version__ = "0.1.0.dev0"
 

@@ -31,6 +31,7 @@ __all__ = [
     "megatron_fsdp_grad_precision",
     "mtp_tracker",
     "packed_seq_params_fields",
+    "prepare_megatron_import",
 ]
 
 MIN_MCORE = Version("0.14.0")
@@ -51,18 +52,24 @@ def mcore_version() -> Version:
     return version
 
 
-def import_megatron_core() -> Any:
-    """Import ``megatron.core`` safely on machines without a GPU.
+def prepare_megatron_import() -> None:
+    """Set what megatron-core needs to import on a machine without a GPU, without importing it.
 
     megatron-core 0.15 compiles a CUDA extension at import time (inference/unified_memory.py); on a CUDA
     build of torch with no visible GPU that raises IndexError unless TORCH_CUDA_ARCH_LIST is set, in
     which case the failure is caught inside megatron-core. We set it only when it is unset and no GPU
-    is visible, so GPU hosts are untouched.
+    is visible, so GPU hosts are untouched. The package __init__ calls this before any submodule can
+    import megatron-core.
     """
     import torch
 
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
+
+
+def import_megatron_core() -> Any:
+    """Import ``megatron.core`` safely on machines without a GPU (see :func:`prepare_megatron_import`)."""
+    prepare_megatron_import()
     mcore_version()
     import megatron.core
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -64,13 +65,11 @@ def _worker(
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        try:
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-        except Exception:
-            pass
+        # Tear down megatron's groups only if the rank used megatron-core: importing it just to check
+        # would cost a torch-only rank 10-25 s.
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
 
