@@ -28,7 +28,9 @@ def packed_batch(lengths: tuple[int, ...], *, seed: int, masked: bool = False) -
     return PackedBatch.from_sequences(seqs, label_masks=masks)
 
 
-def _engine(device: str, overrides: list[str], max_tokens_per_rank: int | None) -> Any:
+def _engine(
+    device: str, overrides: list[str], max_tokens_per_rank: int | None, ckpt: str | None = None
+) -> Any:
     from verl_config import SFTConfig, load_config
     from verl_engine.engine import build_engine
     from verl_engine.packed import cp_layout_from_config
@@ -55,7 +57,15 @@ def _engine(device: str, overrides: list[str], max_tokens_per_rank: int | None) 
     hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     layout = cp_layout_from_config(cfg.megatron, max_tokens_per_rank=max_tokens_per_rank)
-    return build_engine(cfg, hf_config=hf, dims=dims, device=dev, cp_layout=layout), cfg
+    engine = build_engine(cfg, hf_config=hf, dims=dims, device=dev, cp_layout=layout)
+    if ckpt is not None:
+        # Seeded initialisation is identical for every DP / CP layout but not across TP sizes on every
+        # megatron-core release (0.14 initialises TP shards differently), so TP runs load the reference's
+        # initial weights. In place, before any step (the debug backend's AdamW holds these tensors).
+        from verl_mcore_utils.weights import load_hf_weights
+
+        load_hf_weights(engine.model, ckpt, hf_config=hf)
+    return engine, cfg
 
 
 def packed_run(
@@ -65,9 +75,10 @@ def packed_run(
     overrides: list[str],
     batches: list[tuple[tuple[int, ...], int, bool]],
     max_tokens_per_rank: int | None = None,
+    ckpt: str | None = None,
 ) -> dict[str, Any]:
     """Log-probs of batch 0, then one optimizer step per batch; gradients and log-probs of step 1."""
-    engine, cfg = _engine(device, overrides, max_tokens_per_rank)
+    engine, cfg = _engine(device, overrides, max_tokens_per_rank, ckpt)
     data = [packed_batch(lens, seed=seed, masked=masked) for lens, seed, masked in batches]
     logp = engine.compute_log_probs(data[0]).cpu()
     losses, grads, plans = [], None, []
@@ -98,9 +109,10 @@ def packed_runs(
     device: str,
     variants: list[tuple[list[str], int | None]],
     batches: list[tuple[tuple[int, ...], int, bool]],
+    ckpt: str | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`packed_run` for several (overrides, budget) layouts in ONE process group (one spawn)."""
-    return [packed_run(rank, world_size, device, o, batches, budget) for o, budget in variants]
+    return [packed_run(rank, world_size, device, o, batches, budget, ckpt) for o, budget in variants]
 
 
 def _plan_summary(engine: Any, batch: Any) -> list[tuple[int, ...]]:

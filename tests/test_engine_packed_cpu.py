@@ -14,7 +14,6 @@ sequence (fewer sequences than CP groups: idle groups run dummy work).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,9 +49,16 @@ def _check(out: dict[str, Any], ref: dict[str, Any]) -> None:
     assert out["positions"] == ref["positions"]
 
 
-def test_reference_log_probs_and_positions_match_transformers(reference: dict, tmp_path: Path) -> None:
-    run_distributed(save_engine_weights, world_size=1, args=([], str(tmp_path)))
-    hf = hf_log_probs(str(tmp_path), MIXED, seed=11)
+@pytest.fixture(scope="module")
+def initial_weights(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The reference engine's initial weights as a Hugging Face checkpoint."""
+    path = tmp_path_factory.mktemp("engine_init")
+    run_distributed(save_engine_weights, world_size=1, args=([], str(path)))
+    return str(path)
+
+
+def test_reference_log_probs_and_positions_match_transformers(reference: dict, initial_weights: str) -> None:
+    hf = hf_log_probs(initial_weights, MIXED, seed=11)
     assert max_rel_err(reference["logp"], hf) <= TOL, max_rel_err(reference["logp"], hf)
     expected_positions = [p for n in MIXED for p in range(n)]
     assert reference["positions"] == expected_positions
@@ -84,12 +90,15 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("world", [2, 4, "tp2"])
-def test_cp_layouts_match_no_cp(reference: dict, world: int | str) -> None:
+def test_cp_layouts_match_no_cp(reference: dict, initial_weights: str, world: int | str) -> None:
     """Static CP 2 / 4 and dynamic CP (k per micro-batch from max_seqlen_per_dp_cp_rank), one spawn per world."""
     layouts = LAYOUTS[world]
     variants = [(overrides, budget) for overrides, budget, _ in layouts]
     size = 4 if world == "tp2" else int(world)
-    per_rank = run_distributed(packed_runs, world_size=size, args=("cpu", variants, BATCHES), timeout_s=400)
+    ckpt = initial_weights if world == "tp2" else None  # TP runs start from the reference's weights
+    per_rank = run_distributed(
+        packed_runs, world_size=size, args=("cpu", variants, BATCHES, ckpt), timeout_s=400
+    )
     for i, (overrides, _, plans) in enumerate(layouts):
         results = [rank_results[i] for rank_results in per_rank]
         for out in results:
