@@ -58,28 +58,18 @@ def _cp_step(
     """One planned micro-batch on this rank: local loss, backward, gradients summed over all ranks."""
     import torch.distributed as dist
 
-    from verl_dyncp.attention import attach_cp_context
     from verl_dyncp.planner import (
         all_reduce_loss,
         dynamic_cp_split_batch,
         global_loss_token_count,
         normalize_token_loss,
     )
-    from verl_mcore_utils.compat import make_packed_seq_params
+    from verl_dyncp.thd_attention import thd_packed_seq_params
 
     model.zero_grad(set_to_none=True)
     mb = dynamic_cp_split_batch(tokens, seq_lens=lengths, groups=groups, **plan)
     b, meta = mb.batch, mb.batch.meta
-    params = make_packed_seq_params(
-        qkv_format="thd",
-        cu_seqlens_q=meta.cu_seqlens,
-        cu_seqlens_kv=meta.cu_seqlens,
-        cu_seqlens_q_padded=meta.cu_seqlens_padded,
-        cu_seqlens_kv_padded=meta.cu_seqlens_padded,
-        max_seqlen_q=meta.max_seqlen_padded,
-        max_seqlen_kv=meta.max_seqlen_padded,
-    )
-    attach_cp_context(params, cp_group=mb.group.process_group if mb.group.size > 1 else None)
+    params = thd_packed_seq_params(meta, cp_group=mb.group.process_group if mb.group.size > 1 else None)
     logits = model(
         input_ids=b.input_ids[None], position_ids=None, attention_mask=None, packed_seq_params=params
     )

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import verl_mfsdp
+from verl_mcore_utils.offload import model_offload_kinds
 from verl_mfsdp import checkpoint
-from verl_mfsdp.offload import _model_kinds
 
 EXPECTED = {
     "export_megatron_fsdp_hf_weights",
@@ -62,7 +62,7 @@ def test_fsdp_flagged_module_with_nccl_ub_is_refused() -> None:
 
 def test_nothing_selected_is_an_error() -> None:
     with pytest.raises(ValueError, match="nothing selected"):
-        _model_kinds(False, False)
+        model_offload_kinds(params=False, grads=False)
 
 
 def test_ddp_offload_still_refuses_fsdp_and_points_at_verl_mfsdp() -> None:

@@ -67,6 +67,8 @@ __all__ = [
     "OffloadStats",
     "get_offload_state",
     "is_offloaded",
+    "leaf_optimizers",
+    "model_offload_kinds",
     "offload_megatron_model",
     "offload_megatron_optimizer",
     "offload_tensors",
@@ -545,7 +547,8 @@ def _as_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> lis
     return list({id(c): c for c in chunks}.values())  # the same chunk twice is one chunk
 
 
-def _model_kinds(params: bool, grads: bool) -> list[str]:
+def model_offload_kinds(*, params: bool, grads: bool) -> list[str]:
+    """The offload groups a params / grads selection names (at least one; shared with verl_mfsdp)."""
     kinds = [k for k, on in (("params", params), ("grads", grads)) if on]
     if not kinds:
         raise ValueError("nothing selected: pass params=True and/or grads=True")
@@ -569,7 +572,7 @@ def offload_megatron_model(
     Raises :class:`OffloadStateError` if a selected group is already offloaded (nothing moves then).
     """
     chunks = _as_chunks(model_chunks)
-    kinds = _model_kinds(params, grads)
+    kinds = model_offload_kinds(params=params, grads=grads)
     jobs = []
     for chunk in chunks:
         _check_model_supported(chunk)
@@ -587,7 +590,7 @@ def onload_megatron_model(
     Raises :class:`OffloadStateError` if a selected group is not offloaded (nothing moves then).
     """
     chunks = _as_chunks(model_chunks)
-    kinds = _model_kinds(params, grads)
+    kinds = model_offload_kinds(params=params, grads=grads)
     jobs = []
     for chunk in chunks:
         state = _STATES.get(chunk)
@@ -597,11 +600,14 @@ def onload_megatron_model(
     return _onload(jobs)
 
 
-def _walk_optimizers(optimizer: Any) -> list[Any]:
-    """The leaf optimizers: ChainedOptimizer's members (recursively), skipping stub optimizers."""
+def leaf_optimizers(optimizer: Any) -> list[Any]:
+    """The leaf optimizers: ChainedOptimizer's members (recursively), skipping stub optimizers.
+
+    Public because every walker of megatron optimizer state (verl_mfsdp's offload and checkpoints) needs it.
+    """
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None:
-        return [leaf for member in chained for leaf in _walk_optimizers(member)]
+        return [leaf for member in chained for leaf in leaf_optimizers(member)]
     if getattr(optimizer, "is_stub_optimizer", False):
         return []
     return [optimizer]
@@ -609,7 +615,7 @@ def _walk_optimizers(optimizer: Any) -> list[Any]:
 
 def _master_params(optimizer: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    for leaf in _walk_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         for attr in _MASTER_PARAM_ATTRS:
             for group in getattr(leaf, attr, None) or ():
                 out.extend(t for t in group if isinstance(t, torch.Tensor))
@@ -619,7 +625,7 @@ def _master_params(optimizer: Any) -> list[torch.Tensor]:
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     """Master copies (megatron mixed precision) and every tensor in the inner optimizer's state."""
     tensors = _master_params(optimizer)
-    for leaf in _walk_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.compat import import_megatron_core
+from verl_mcore_utils.offload import leaf_optimizers
 from verl_mfsdp.offload import megatron_fsdp_chunks
 from verl_mfsdp.wrap import restart_megatron_fsdp_param_sync, synchronize_megatron_fsdp_params
 
@@ -99,15 +100,6 @@ def _check_layout(
             f"Megatron-FSDP checkpoint {str(path)!r} was saved with another layout ({'; '.join(diffs)});"
             " resume with the same world size, parallel sizes, sharding strategy and model chunks"
         )
-
-
-def _leaf_optimizers(optimizer: Any) -> list[Any]:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [leaf for member in chained for leaf in _leaf_optimizers(member)]
-    if getattr(optimizer, "is_stub_optimizer", False):
-        return []
-    return [optimizer]
 
 
 def _layout(chunks: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> dict[str, Any]:
@@ -226,7 +218,7 @@ def save_megatron_fsdp_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     chunks = megatron_fsdp_chunks(model_chunks)
-    optimizers = _leaf_optimizers(optimizer)
+    optimizers = leaf_optimizers(optimizer)
     if not optimizers:
         raise ValueError("optimizer has no (non-stub) member optimizer to save")
     info = {
@@ -270,7 +262,7 @@ def load_megatron_fsdp_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     chunks = megatron_fsdp_chunks(model_chunks)
-    optimizers = _leaf_optimizers(optimizer)
+    optimizers = leaf_optimizers(optimizer)
     _check_layout(info, _layout(chunks, optimizers), path=path)
     synchronize_megatron_fsdp_params(chunks)
     state = _state_dict(chunks, optimizers, is_loading=True)

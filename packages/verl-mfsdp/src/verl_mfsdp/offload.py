@@ -41,6 +41,8 @@ from verl_mcore_utils.offload import (
     OffloadStateError,
     OffloadStats,
     is_offloaded,
+    leaf_optimizers,
+    model_offload_kinds,
     offload_tensors,
     onload_tensors,
 )
@@ -141,13 +143,6 @@ def _grad_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
     return tensors
 
 
-def _model_kinds(params: bool, grads: bool) -> list[str]:
-    kinds = [k for k, on in (("params", params), ("grads", grads)) if on]
-    if not kinds:
-        raise ValueError("nothing selected: pass params=True and/or grads=True")
-    return kinds
-
-
 def offload_megatron_fsdp_model(
     model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
     *,
@@ -162,7 +157,7 @@ def offload_megatron_fsdp_model(
     Raises OffloadStateError before anything moves if a selected group is already offloaded.
     """
     chunks = megatron_fsdp_chunks(model_chunks)
-    kinds = _model_kinds(params, grads)
+    kinds = model_offload_kinds(params=params, grads=grads)
     for chunk in chunks:
         for kind in kinds:
             if is_offloaded(chunk, kind):
@@ -192,25 +187,16 @@ def onload_megatron_fsdp_model(
     again synchronously (a collective: call on every rank), leaving the chunks as an optimizer step does.
     """
     chunks = megatron_fsdp_chunks(model_chunks)
-    kinds = _model_kinds(params, grads)
+    kinds = model_offload_kinds(params=params, grads=grads)
     stats = onload_tensors([(chunk, kind) for chunk in chunks for kind in kinds])
     if params and restart_param_sync:
         restart_megatron_fsdp_param_sync(chunks, force_sync=True)
     return stats
 
 
-def _leaf_optimizers(optimizer: Any) -> list[Any]:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [leaf for member in chained for leaf in _leaf_optimizers(member)]
-    if getattr(optimizer, "is_stub_optimizer", False):
-        return []
-    return [optimizer]
-
-
 def _optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor | None]:
     tensors: list[torch.Tensor | None] = []
-    for leaf in _leaf_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         ddp_config = getattr(leaf, "ddp_config", None)
         if ddp_config is not None and not getattr(ddp_config, "use_megatron_fsdp", False):
             raise TypeError(
