@@ -83,8 +83,8 @@ def build_and_reduce(
 def train_with_hooks(rank: int, world_size: int, overlap: bool) -> dict:
     """make_megatron_module + megatron optimizer + attach_training_hooks drive megatron's own schedule."""
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_steps import schedule_step
     from verl_mcore_utils.compat import make_megatron_optimizer
     from verl_mcore_utils.ddp import WrapConfig
     from verl_mcore_utils.hf_testing import tiny_hf_config
@@ -115,40 +115,13 @@ def train_with_hooks(rank: int, world_size: int, overlap: bool) -> dict:
     config = attach_training_hooks(chunks, opt)
     gen = torch.Generator("cuda").manual_seed(rank)
     data = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(2)]
-    pos = torch.arange(16, device="cuda").expand(2, 16)
-
-    def forward_step(it: Any, model: Any) -> Any:
-        tokens = next(it)
-        out = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens)
-
-        def loss_func(output: torch.Tensor) -> Any:
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return out, loss_func
-
-    losses = []
-    for _ in range(3):
-        for c in chunks:
-            c.zero_grad_buffer()
-        opt.zero_grad()
-        result = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(data),
-            model=chunks,
-            num_microbatches=2,
-            seq_length=16,
-            micro_batch_size=2,
-            forward_only=False,
-        )
-        ok, grad_norm, _ = opt.step()
-        losses.append(float(sum(r["loss"] for r in result) / len(result)))
+    steps = [schedule_step([chunks], opt, data) for _ in range(3)]
     return {
         "grad_scale_is_optimizer": config.grad_scale_func == opt.scale_loss,
         "finalize_set": config.finalize_model_grads_func is not None,
         "no_sync_set": getattr(config, "no_sync_func", None) is not None,
         "param_sync_set": getattr(config, "param_sync_func", None) is not None,
-        "step_ok": bool(ok),
-        "grad_norm": float(grad_norm),
-        "losses": losses,
+        "step_ok": all(step.ok for step in steps),
+        "grad_norm": steps[-1].grad_norm,
+        "losses": [step.loss for step in steps],
     }

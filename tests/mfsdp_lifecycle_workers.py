@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron_steps import schedule_step
+
 HF_KWARGS: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
 SEQ, MBS = 32, 4
 
@@ -96,41 +98,10 @@ def _data(rank: int) -> list[torch.Tensor]:
 
 
 def _train_step(models: Sequence[list[torch.nn.Module]], opt: Any, data: list[torch.Tensor]) -> float:
-    """One optimizer step over every model (each a list of chunks run by its own schedule call)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    pos = torch.arange(SEQ, device="cuda").expand(MBS, SEQ)
-
-    def forward_step(it: Any, model: Any) -> Any:
-        tokens = next(it)
-        out = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens)
-
-        def loss_func(output: torch.Tensor) -> Any:
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return out, loss_func
-
-    for chunks in models:
-        for c in chunks:
-            c.zero_grad_buffer()
-    opt.zero_grad()
-    total = torch.zeros((), device="cuda")
-    for chunks in models:
-        result = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(data),
-            model=chunks,
-            num_microbatches=len(data),
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-            forward_only=False,
-        )
-        total += torch.stack([r["loss"] for r in result]).mean()
-    ok, _, _ = opt.step()
-    assert ok, "optimizer step skipped"
-    torch.distributed.all_reduce(total)
-    return float(total) / torch.distributed.get_world_size()
+    """One optimizer step over every model; the loss summed over models, averaged over ranks."""
+    step = schedule_step(models, opt, data)
+    assert step.ok, "optimizer step skipped"
+    return step.loss
 
 
 def _gpt(chunk: torch.nn.Module) -> torch.nn.Module:

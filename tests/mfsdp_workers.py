@@ -22,9 +22,9 @@ def train_steps(
     model of that construction path (construction_workers.make_provider).
     """
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_steps import schedule_step
     from verl_mcore_utils.compat import make_megatron_optimizer
     from verl_mcore_utils.ddp import WrapConfig
     from verl_mcore_utils.hf_testing import tiny_hf_config
@@ -71,36 +71,8 @@ def train_steps(
     attach_training_hooks(chunks, opt)
     gen = torch.Generator("cuda").manual_seed(100 + rank)
     data = [torch.randint(0, 128, (4, 32), device="cuda", generator=gen) for _ in range(2)]
-    pos = torch.arange(32, device="cuda").expand(4, 32)
-
-    def forward_step(it: Any, model: Any) -> Any:
-        tokens = next(it)
-        out = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=tokens)
-
-        def loss_func(output: torch.Tensor) -> Any:
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return out, loss_func
-
-    losses, norms = [], []
-    for _ in range(steps):
-        for c in chunks:
-            c.zero_grad_buffer()
-        opt.zero_grad()
-        result = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(data),
-            model=chunks,
-            num_microbatches=2,
-            seq_length=32,
-            micro_batch_size=4,
-            forward_only=False,
-        )
-        _, grad_norm, _ = opt.step()
-        local = torch.stack([r["loss"] for r in result]).mean()
-        torch.distributed.all_reduce(local)
-        losses.append(float(local) / world_size)
-        norms.append(float(grad_norm))
+    results = [schedule_step([chunks], opt, data) for _ in range(steps)]
+    losses = [r.loss for r in results]
+    norms = [r.grad_norm for r in results]
     synced = synchronize_megatron_fsdp_params(chunks) if backend_kind == "fsdp" else None
     return {"losses": losses, "grad_norms": norms, "wrapper": type(chunks[0]).__name__, "synced": synced}

@@ -42,38 +42,15 @@ def _model_params_of_optimizer(optimizer: Any) -> tuple[list[Any], list[Any], li
 
 def _train_step(chunks: list[Any], optimizer: Any) -> float:
     import torch
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_steps import schedule_step
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen).cuda()
-
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[Any, Any]:
-        mb = next(data_iterator)
-        inputs, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
-        positions = torch.arange(SEQ, device=mb.device).expand_as(inputs)
-        per_token = chunk(input_ids=inputs, position_ids=positions, attention_mask=None, labels=labels)
-
-        def loss_func(output: Any) -> tuple[Any, dict[str, Any]]:
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return per_token, loss_func
-
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([tokens]),
-        model=chunks,
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=MICRO,
-        forward_only=False,
-    )
-    ok, grad_norm, _ = optimizer.step()
-    assert ok, "optimizer step was skipped"
-    return float(grad_norm)
+    step = schedule_step([chunks], optimizer, [tokens], shift_labels=True)
+    assert step.ok, "optimizer step was skipped"
+    assert step.grad_norm is not None
+    return step.grad_norm
 
 
 def _case(dtype: str, use_dist_opt: bool) -> dict[str, Any]:

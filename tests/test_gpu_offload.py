@@ -63,40 +63,16 @@ def _build(*, dist_opt: bool) -> tuple[Any, Any]:
     return ddp_model, optimizer
 
 
-def _train_step(model: Any, optimizer: Any, *, step: int) -> tuple[float, float]:
+def _train_step(model: Any, optimizer: Any, *, step: int) -> tuple[float, float | None]:
     """One forward/backward over NUM_MICRO micro-batches through megatron's schedule, then step."""
     from megatron.core.parallel_state import get_data_parallel_rank
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_steps import schedule_step
 
     gen = torch.Generator().manual_seed(1000 * step + get_data_parallel_rank())
     tokens = torch.randint(0, VOCAB, (MICRO * NUM_MICRO, SEQ + 1), generator=gen).cuda()
-    micro_batches = list(tokens.chunk(NUM_MICRO))
-
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
-        mb = next(data_iterator)
-        inputs, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
-        positions = torch.arange(SEQ, device=mb.device).expand_as(inputs)
-        per_token = chunk(input_ids=inputs, position_ids=positions, attention_mask=None, labels=labels)
-
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return per_token, loss_func
-
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=NUM_MICRO,
-        seq_length=SEQ,
-        micro_batch_size=MICRO,
-        forward_only=False,
-    )
-    _, grad_norm, _ = optimizer.step()
-    return float(sum(float(x["loss"]) for x in losses)), float(grad_norm)
+    result = schedule_step([[model]], optimizer, list(tokens.chunk(NUM_MICRO)), shift_labels=True)
+    return sum(result.local_losses), result.grad_norm
 
 
 def _optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
