@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 benchmarks/dyncp_longtail.py --out benchmarks/results/dyncp_longtail_h200x4.json
 
 Data: sequence lengths drawn from a lognormal (median ``--median``, sigma ``--sigma``, seed ``--seed``),
-clipped to [256, 32768]; each step's global batch holds sequences until it has ``--tokens-per-step``
+clipped to [``--min-len``, ``--max-len``] (default 256, 32768); each step's global batch holds sequences until it has ``--tokens-per-step``
 tokens; the same batches are used for every layout. Every layout gets the same micro-batch budget per rank
 (``--tokens-per-rank``; a micro-batch holds at most that x the pool size, formed longest-first by
 verl_engine.packed.split_packed_micro_batches), so the layouts differ only in how each micro-batch is
@@ -41,14 +41,21 @@ LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192", "dynamic_mix
 
 
 def lengths_for_steps(
-    *, steps: int, tokens_per_step: int, median: float, sigma: float, seed: int
+    *,
+    steps: int,
+    tokens_per_step: int,
+    median: float,
+    sigma: float,
+    seed: int,
+    min_len: int = 256,
+    max_len: int = 32768,
 ) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
         lens: list[int] = []
         while sum(lens) < tokens_per_step:
-            n = int(np.clip(rng.lognormal(np.log(median), sigma), 256, 32768))
+            n = int(np.clip(rng.lognormal(np.log(median), sigma), min_len, max_len))
             lens.append(min(n, tokens_per_step - sum(lens)) if sum(lens) + n > tokens_per_step else n)
         out.append([n for n in lens if n >= 1])
     return out
@@ -159,6 +166,8 @@ def main() -> None:
     parser.add_argument("--median", type=float, default=2048.0)
     parser.add_argument("--sigma", type=float, default=1.2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-len", type=int, default=256, help="lengths are clipped to [min, max]")
+    parser.add_argument("--max-len", type=int, default=32768)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (debug backend)"
@@ -175,6 +184,8 @@ def main() -> None:
         median=args.median,
         sigma=args.sigma,
         seed=args.seed,
+        min_len=args.min_len,
+        max_len=args.max_len,
     )
     all_lens = [n for lens in steps_lens for n in lens]
     results = {}
@@ -195,10 +206,12 @@ def main() -> None:
             "gpus": dist.get_world_size(),
             "torch": torch.__version__,
             "megatron_core": str(mcore_version()),
+            # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
             "config": {
                 **{k: v for k, v in vars(args).items() if k != "out"},
                 "lengths": {
-                    "distribution": f"lognormal(median={args.median}, sigma={args.sigma}) clipped to [256, 32768]",
+                    "distribution": f"lognormal(median={args.median}, sigma={args.sigma}) clipped to [{args.min_len}, {args.max_len}]",
                     "count": len(all_lens),
                     "min": min(all_lens),
                     "p50": int(np.median(all_lens)),

@@ -164,3 +164,30 @@ def test_mixed_plan_sizes_blocks_by_need() -> None:
         CPBlock(offset=1, size=2, sequences=(), load=0)
     with pytest.raises(ValueError, match="cover 2 DP x CP ranks, expected 4"):
         MixedCPPlan(seq_lens=(3,), dp_cp_size=4, blocks=(CPBlock(offset=0, size=2, sequences=(0,), load=9),))
+
+
+def test_mixed_plan_spreads_short_sequences_onto_larger_blocks() -> None:
+    """Many short sequences and one long one: the short ones may run on the long one's block too.
+
+    One size-2 block (the 3000-token sequence) and two size-1 blocks for twenty 1000-token sequences:
+    kept to their own class the two size-1 ranks would carry 10M each against 4.5M per rank on the
+    size-2 block; the plan balances per-rank load to within one sequence's cost of the mean.
+    """
+    lens = [3000] + [1000] * 20
+    plan = plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=2048)
+    assert [(b.offset, b.size) for b in plan.blocks] == [(0, 2), (2, 1), (3, 1)]
+    assert 0 in plan.blocks[0].sequences and len(plan.blocks[0].sequences) > 1
+    per_rank = [b.load / b.size for b in plan.blocks]
+    mean = sum(n * n for n in lens) / 4
+    assert max(per_rank) <= mean + 1000 * 1000, per_rank
+    assert max(per_rank) < 10_000_000
+    assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
+    # a long sequence never lands on a block smaller than it needs
+    assert all(b.size >= 2 for b in plan.blocks if 0 in b.sequences)
+    # with the dense-layer term the balance is per token as well: no rank holds far more tokens
+    hidden = WorkloadModel.for_transformer(hidden_size=2048)
+    tokens = [
+        sum(lens[i] for i in b.sequences) / b.size
+        for b in plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=2048, workload=hidden).blocks
+    ]
+    assert max(tokens) <= sum(lens) / 4 + 1000, tokens

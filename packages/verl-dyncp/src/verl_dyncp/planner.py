@@ -13,7 +13,7 @@ as many sequences as groups no group is left empty.
 Static CP is the same machinery with ``static_cp_size`` fixed. :func:`plan_mixed_cp` (``mixed=True`` in
 :func:`dynamic_cp_split_batch`) goes further: several CP sizes in one micro-batch, each sequence on a block
 of the size it needs (:class:`MixedCPPlan`); split and merge handle both kinds of plan as a list of
-:class:`CPBlock`. It is not measured on GPUs yet, so it is opt-in.
+:class:`CPBlock`. Opt-in; its measurements are in docs/benchmarks.md.
 
 Determinism: the plan depends only on the sequence lengths (integers, integer arithmetic, stable
 tie-breaking), so every rank computes the same plan without communication; every DP x CP rank must
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -292,18 +293,6 @@ def plan_dynamic_cp(
     )
 
 
-def _lpt(indices: Sequence[int], costs: Sequence[int], bins: int) -> tuple[list[list[int]], list[int]]:
-    order = sorted(indices, key=lambda i: (-costs[i], i))
-    loads, counts = [0] * bins, [0] * bins
-    members: list[list[int]] = [[] for _ in range(bins)]
-    for i in order:
-        g = min(range(bins), key=lambda g: (loads[g], counts[g], g))
-        members[g].append(i)
-        loads[g] += costs[i]
-        counts[g] += 1
-    return [sorted(m) for m in members], loads
-
-
 def plan_mixed_cp(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
@@ -311,16 +300,19 @@ def plan_mixed_cp(
     max_seqlen_per_dp_cp_rank: int,
     workload: WorkloadModel | None = None,
 ) -> MixedCPPlan:
-    """Several CP sizes in one micro-batch: each sequence on a block of the size it needs.
+    """Several CP sizes in one micro-batch: each sequence on a block of the size it needs, or larger.
 
     Every sequence needs ``k_i = dynamic_cp_size(L_i)``. Sequences of equal ``k`` form a class; each class
     gets one block of its size, largest classes first (a class that no longer fits runs on the smallest
-    block size already reserved, which is larger: a short sequence may always use more ranks). The ranks
-    left are handed out one block at a time to the class with the highest workload per rank that still
-    has more sequences than blocks and whose size fits; then LPT inside each class. Ranks still left
-    become idle size-1 blocks (dummy work). Blocks are laid out by size, descending, so each block is
-    aligned. Deterministic, from the lengths only. Whether it beats one ``k`` per micro-batch depends on
-    the communication cost of the small groups: measure on GPUs before making it the default.
+    block size already reserved, which is larger). The ranks left are handed out one block at a time to
+    the class with the highest workload per rank that still has more sequences than blocks and whose size
+    fits. Ranks still left become size-1 blocks. Then one longest-processing-time pass over ALL blocks:
+    sequences by cost, largest first, each onto the block, among those at least as large as it needs, whose
+    per-rank load ``(load + cost) / size`` is then smallest (ties: fewer sequences, lower offset). A short
+    sequence may so run on a larger block when the small blocks are full: without that, the short class
+    would keep every short sequence however many there are, and its ranks would hold far more tokens
+    (memory) and work (time) than the others. Blocks are laid out by size, descending, so each block is
+    aligned. Deterministic, from the lengths only (exact rational comparisons).
     """
     lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
     if not lens:
@@ -354,15 +346,20 @@ def plan_mixed_cp(
                 best = k
         blocks_of[best] += 1
         remaining -= best
-    blocks: list[CPBlock] = []
-    offset = 0
-    for k in sorted(classes, reverse=True):
-        members, loads = _lpt(sorted(classes[k]), costs, blocks_of[k])
-        for m, block_load in zip(members, loads, strict=True):
-            blocks.append(CPBlock(offset=offset, size=k, sequences=tuple(m), load=block_load))
-            offset += k
-    blocks.extend(CPBlock(offset=offset + j, size=1, sequences=(), load=0) for j in range(remaining))
-    return MixedCPPlan(seq_lens=lens, dp_cp_size=dp_cp_size, blocks=tuple(blocks))
+    sizes = [k for k in sorted(classes, reverse=True) for _ in range(blocks_of[k])] + [1] * remaining
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    loads: list[int] = [0] * len(sizes)
+    members: list[list[int]] = [[] for _ in sizes]
+    for i in sorted(range(len(lens)), key=lambda i: (-costs[i], i)):
+        fits = [j for j, k in enumerate(sizes) if k >= need[i]]
+        j = min(fits, key=lambda j: (Fraction(loads[j] + costs[i], sizes[j]), len(members[j]), j))
+        members[j].append(i)
+        loads[j] += costs[i]
+    blocks = tuple(
+        CPBlock(offset=o, size=k, sequences=tuple(sorted(m)), load=load_j)
+        for o, k, m, load_j in zip(offsets, sizes, members, loads, strict=True)
+    )
+    return MixedCPPlan(seq_lens=lens, dp_cp_size=dp_cp_size, blocks=blocks)
 
 
 def _block_of(plan: DynamicCPPlan | MixedCPPlan, position: int) -> CPBlock:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from verl_mcore_utils.transformer_config import hf_to_transformer_config
 
 import_megatron_core()
 from megatron.core import parallel_state  # noqa: E402
+
+if TYPE_CHECKING:
+    from verl_dyncp.planner import WorkloadModel
 
 __all__ = ["Engine", "StepMetrics", "build_engine", "lr_at_step"]
 
@@ -89,6 +92,7 @@ class Engine:
         clip_grad: float,
         cp_layout: CPLayout | None = None,
         cp_groups: Any = None,
+        cp_workload: WorkloadModel | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -98,6 +102,9 @@ class Engine:
         self.clip_grad = clip_grad
         self.cp_layout = cp_layout
         self.cp_groups = cp_groups
+        # verl_dyncp.WorkloadModel the planner balances (attention L^2 + dense layers ~ 12 h L per
+        # sequence); None = attention only, which piles short sequences onto one rank.
+        self.cp_workload = cp_workload
 
     @property
     def backend(self) -> str:
@@ -251,6 +258,7 @@ class Engine:
                 groups=self.cp_groups,
                 tp_size=self.dims.tp,
                 label_mask=None if sub.label_mask is None else sub.label_mask.to(self.device),
+                workload=self.cp_workload,
                 **layout.plan_kwargs(),
             )
             group = mb.group.process_group if mb.group.size > 1 else None
@@ -447,13 +455,16 @@ def build_engine(
     # CPU initialisation with one seed: identical weights whatever the parallel layout.
     torch.manual_seed(m.seed)
     cp_groups = None
+    cp_workload: WorkloadModel | None = None
     if cp_layout is None:
         model = build_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
     else:
         from verl_dyncp.model import build_thd_gpt_model
+        from verl_dyncp.planner import WorkloadModel
 
         model = build_thd_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
         cp_groups = _pool_cp_groups()
+        cp_workload = WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size)
     if debug:
         decay, no_decay = [], []
         for name, p in model.named_parameters():
@@ -473,6 +484,7 @@ def build_engine(
             clip_grad=o.clip_grad,
             cp_layout=cp_layout,
             cp_groups=cp_groups,
+            cp_workload=cp_workload,
         )
 
     from megatron.core.optimizer import OptimizerConfig
@@ -520,6 +532,7 @@ def build_engine(
         clip_grad=o.clip_grad,
         cp_layout=cp_layout,
         cp_groups=cp_groups,
+        cp_workload=cp_workload,
     )
 
 
