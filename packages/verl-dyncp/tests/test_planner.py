@@ -191,3 +191,27 @@ def test_mixed_plan_spreads_short_sequences_onto_larger_blocks() -> None:
         for b in plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=2048, workload=hidden).blocks
     ]
     assert max(tokens) <= sum(lens) / 4 + 1000, tokens
+
+
+def test_mixed_plan_never_loads_a_rank_more_than_the_one_k_plan() -> None:
+    """Random long-tail micro-batches: the mixed plan's busiest rank (work and tokens) is never worse
+    than the one-k plan's, and it uses smaller blocks only when that is free."""
+    import random
+
+    rng = random.Random(0)
+    workload = WorkloadModel.for_transformer(hidden_size=2048)
+    smaller = 0
+    for _ in range(200):
+        n = rng.choice([2, 4, 8])
+        lens = [min(int(rng.lognormvariate(7.3, 0.9)) + 1, 4096 * n) for _ in range(rng.randint(1, 24))]
+        one_k = plan_dynamic_cp(lens, dp_cp_size=n, max_seqlen_per_dp_cp_rank=4096, workload=workload)
+        mixed = plan_mixed_cp(lens, dp_cp_size=n, max_seqlen_per_dp_cp_rank=4096, workload=workload)
+        assert max(b.load / b.size for b in mixed.blocks) <= max(one_k.loads) / one_k.cp_size
+        assert max(b.size for b in mixed.blocks) == one_k.cp_size
+        for b in mixed.blocks:  # every sequence on a block at least as large as it needs
+            assert all(
+                b.size >= dynamic_cp_size(lens[i], max_seqlen_per_dp_cp_rank=4096, dp_cp_size=n)
+                for i in b.sequences
+            )
+        smaller += len({b.size for b in mixed.blocks}) > 1
+    assert smaller > 0  # some batches do get several CP sizes

@@ -293,6 +293,24 @@ def plan_dynamic_cp(
     )
 
 
+def _assign_to_blocks(
+    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int]
+) -> tuple[list[list[int]], list[int]] | None:
+    """LPT over blocks of ``sizes``: each sequence (largest cost first) onto the block, among those at
+    least as large as it needs, whose per-rank load ``(load + cost) / size`` is then smallest (ties: fewer
+    sequences, lower block index). None when a sequence fits no block."""
+    loads = [0] * len(sizes)
+    members: list[list[int]] = [[] for _ in sizes]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        fits = [j for j, k in enumerate(sizes) if k >= need[i]]
+        if not fits:
+            return None
+        j = min(fits, key=lambda j: (Fraction(loads[j] + costs[i], sizes[j]), len(members[j]), j))
+        members[j].append(i)
+        loads[j] += costs[i]
+    return members, loads
+
+
 def plan_mixed_cp(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
@@ -300,19 +318,19 @@ def plan_mixed_cp(
     max_seqlen_per_dp_cp_rank: int,
     workload: WorkloadModel | None = None,
 ) -> MixedCPPlan:
-    """Several CP sizes in one micro-batch: each sequence on a block of the size it needs, or larger.
+    """Several CP sizes in one micro-batch: long sequences on large blocks, short ones on small blocks.
 
-    Every sequence needs ``k_i = dynamic_cp_size(L_i)``. Sequences of equal ``k`` form a class; each class
-    gets one block of its size, largest classes first (a class that no longer fits runs on the smallest
-    block size already reserved, which is larger). The ranks left are handed out one block at a time to
-    the class with the highest workload per rank that still has more sequences than blocks and whose size
-    fits. Ranks still left become size-1 blocks. Then one longest-processing-time pass over ALL blocks:
-    sequences by cost, largest first, each onto the block, among those at least as large as it needs, whose
-    per-rank load ``(load + cost) / size`` is then smallest (ties: fewer sequences, lower offset). A short
-    sequence may so run on a larger block when the small blocks are full: without that, the short class
-    would keep every short sequence however many there are, and its ranks would hold far more tokens
-    (memory) and work (time) than the others. Blocks are laid out by size, descending, so each block is
-    aligned. Deterministic, from the lengths only (exact rational comparisons).
+    Every sequence needs ``k_i = dynamic_cp_size(L_i)`` ranks. The search starts from the one-k layout
+    (``dp_cp_size / K`` blocks of ``K = max k_i``, the plain dynamic plan) and splits one block into two
+    halves at a time, taking the split whose LPT assignment (:func:`_assign_to_blocks`: each sequence
+    onto a block at least as large as it needs) has the smallest peak per-rank load ``load / size``, as
+    long as that peak is not above the current one. So the plan's modelled busiest rank is never worse
+    than the one-k plan's, and equal-cost layouts are broken towards smaller blocks (less CP
+    communication, which the workload model does not price). Keeping the peak per-rank load (tokens
+    included, through the linear term) also keeps the per-rank memory of the one-k plan: a layout that
+    puts the short sequences on a few small blocks while the long ones share a big one is refused.
+    Blocks are laid out by size, descending, so each block is aligned. Deterministic, from the lengths
+    only (exact rational comparisons).
     """
     lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
     if not lens:
@@ -324,37 +342,34 @@ def plan_mixed_cp(
         for n in lens
     ]
     costs = [model.cost(n) for n in lens]
-    classes: dict[int, list[int]] = {}
-    remaining = dp_cp_size
-    for k in sorted(set(need), reverse=True):
-        members = [i for i in range(len(lens)) if need[i] == k]
-        if k <= remaining:
-            classes[k] = members
-            remaining -= k
-        else:  # no room for another block: run these on the smallest block size reserved so far
-            classes[min(classes)].extend(members)
-    blocks_of = dict.fromkeys(classes, 1)
-    load = {k: sum(costs[i] for i in m) for k, m in classes.items()}
+
+    def peak(sizes: Sequence[int], loads: Sequence[int]) -> Fraction:
+        return max(Fraction(load, k) for load, k in zip(loads, sizes, strict=True))
+
+    largest = max(need)
+    sizes = [largest] * (dp_cp_size // largest)
+    assigned = _assign_to_blocks(sizes, need, costs)
+    assert assigned is not None  # every sequence fits a block of the largest need
+    best = peak(sizes, assigned[1])
     while True:
-        useful = [k for k in classes if k <= remaining and len(classes[k]) > blocks_of[k]]
-        if not useful:
+        trials = []
+        for k in sorted(set(sizes), reverse=True):
+            if k == 1:
+                continue
+            trial = list(sizes)
+            trial.remove(k)
+            trial = sorted([*trial, k // 2, k // 2], reverse=True)
+            result = _assign_to_blocks(trial, need, costs)
+            if result is not None:
+                trials.append((peak(trial, result[1]), -k, trial, result))
+        if not trials:
             break
-        # highest load per rank: load[k] / (blocks_of[k] * k), compared exactly by cross-multiplication
-        best = useful[0]
-        for k in useful[1:]:
-            if load[k] * blocks_of[best] * best > load[best] * blocks_of[k] * k:
-                best = k
-        blocks_of[best] += 1
-        remaining -= best
-    sizes = [k for k in sorted(classes, reverse=True) for _ in range(blocks_of[k])] + [1] * remaining
+        value, _, trial, result = min(trials, key=lambda t: (t[0], t[1]))
+        if value > best:
+            break
+        best, sizes, assigned = value, trial, result
+    members, loads = assigned
     offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-    loads: list[int] = [0] * len(sizes)
-    members: list[list[int]] = [[] for _ in sizes]
-    for i in sorted(range(len(lens)), key=lambda i: (-costs[i], i)):
-        fits = [j for j, k in enumerate(sizes) if k >= need[i]]
-        j = min(fits, key=lambda j: (Fraction(loads[j] + costs[i], sizes[j]), len(members[j]), j))
-        members[j].append(i)
-        loads[j] += costs[i]
     blocks = tuple(
         CPBlock(offset=o, size=k, sequences=tuple(sorted(m)), load=load_j)
         for o, k, m, load_j in zip(offsets, sizes, members, loads, strict=True)

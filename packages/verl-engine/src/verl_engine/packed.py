@@ -5,9 +5,10 @@ one pool. A step's global batch (every sequence, packed back to back) is given t
 it is cut into micro-batches of at most ``max_tokens_per_rank x n`` tokens, and verl-dyncp's planner
 splits each micro-batch over the pool: a CP size ``k`` per micro-batch (dynamic, from
 ``max_seqlen_per_dp_cp_rank``) or a fixed one (static, ``context_parallel_size``), ``n / k`` groups
-balanced by attention workload, idle groups running dummy work. megatron-core's own parallel state is
-initialised with ``context_parallel_size=1`` (its DP group is the pool), so its DDP reduces gradients
-over exactly the ranks that share the batch.
+balanced by workload (attention L^2 plus the dense layers, ~12 x hidden x L per sequence: the engine passes
+WorkloadModel.for_transformer; attention alone would pile short sequences onto one rank), idle groups
+running dummy work. megatron-core's own parallel state is initialised with ``context_parallel_size=1``
+(its DP group is the pool), so its DDP reduces gradients over exactly the ranks that share the batch.
 
 Micro-batches are formed first-fit-decreasing by length: long sequences land together in the first
 micro-batches (which then need a large ``k``) and short ones together in later micro-batches (which run
