@@ -194,8 +194,8 @@ def test_mixed_plan_spreads_short_sequences_onto_larger_blocks() -> None:
 
 
 def test_mixed_plan_never_loads_a_rank_more_than_the_one_k_plan() -> None:
-    """Random long-tail micro-batches: the mixed plan's busiest rank (work and tokens) is never worse
-    than the one-k plan's, and it uses smaller blocks only when that is free."""
+    """Random long-tail micro-batches: the mixed plan's busiest rank (modelled work) is never worse than
+    the one-k plan's, its largest block is the one-k plan's size, and some batches do get smaller blocks."""
     import random
 
     rng = random.Random(0)
