@@ -452,7 +452,9 @@ def build_engine(
         sequence_parallel=m.sequence_parallel,
         overrides=m.override_transformer_config,
     )
-    # CPU initialisation with one seed: identical weights whatever the parallel layout.
+    # CPU initialisation with one seed: identical weights whatever the DP / CP layout. Not across TP sizes on
+    # megatron-core 0.14, which initialises TP-sharded weights differently from TP 1 (0.19 does not):
+    # compare TP layouts from loaded weights.
     torch.manual_seed(m.seed)
     cp_groups = None
     cp_workload: WorkloadModel | None = None
