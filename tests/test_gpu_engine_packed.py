@@ -99,3 +99,22 @@ def test_fp32_dynamic_cp_on_gpu_matches_no_cp(refs: dict) -> None:
     errs = _errors(out, refs["fp32"])
     print("\nfp32 dynamic CP w4 vs fp32 no CP", errs)
     assert max(errs.values()) <= 1e-4, errs
+
+
+@pytest.mark.num_gpus(4)
+def test_tensor_parallel_2_with_dynamic_cp_matches_no_cp(refs: dict) -> None:
+    """TP 2 x a pool of 2 with dynamic CP (alignment 2 x TP x k), bf16: losses and log-probs within the same
+    bound as the TP 1 layouts (gradients are TP shards here, compared on CPU in tests/test_engine_packed_cpu.py).
+    megatron-core 0.19 initialises TP shards like TP 1 from the same seed, so both runs start equal."""
+    out = _run(4, [*BF16, *DYN2, "megatron.tensor_model_parallel_size=2"], None)
+    own = _errors(refs["bf16"], refs["fp32"])
+    loss = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], refs["fp32"]["losses"], strict=True))
+    logp = max_rel_err(out["logp"], refs["fp32"]["logp"])
+    logp_after = max_rel_err(out["logp_after"], refs["fp32"]["logp_after"])
+    print(
+        f"\nTP2 dynamic CP w4: plans={out['plans']} loss {loss:.2e} logp {logp:.2e} after {logp_after:.2e}; own {own}"
+    )
+    assert loss <= 2 * own["loss"] + 1e-3 and logp <= 2 * own["logp"] + 1e-3, (loss, logp, own)
+    assert logp_after <= 2 * own["logp_after"] + 1e-3, (logp_after, own)
+    assert out["positions"] == refs["fp32"]["positions"]
+    assert {s for step in out["plans"] for mb in step for s in mb} == {1, 2}, out["plans"]
