@@ -232,6 +232,27 @@ class MixedCPPlan:
         return tuple(sorted({b.size for b in self.blocks}, reverse=True))
 
 
+def _assign_to_blocks(
+    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int]
+) -> tuple[list[list[int]], list[int]] | None:
+    """LPT over blocks of ``sizes``: each sequence (largest cost first) onto the block, among those at
+    least as large as it needs, whose per-rank load ``(load + cost) / size`` is then smallest (ties: fewer
+    sequences, so zero-cost ties still spread; then lower block index). None when a sequence fits no
+    block. Sizes are powers of two, so ``(load + cost) * (largest / size)`` compares per-rank loads
+    exactly in integers."""
+    loads = [0] * len(sizes)
+    members: list[list[int]] = [[] for _ in sizes]
+    scale = [max(sizes) // k for k in sizes]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        fits = [j for j, k in enumerate(sizes) if k >= need[i]]
+        if not fits:
+            return None
+        j = min(fits, key=lambda j: ((loads[j] + costs[i]) * scale[j], len(members[j]), j))
+        members[j].append(i)
+        loads[j] += costs[i]
+    return members, loads
+
+
 def plan_dynamic_cp(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
@@ -272,18 +293,11 @@ def plan_dynamic_cp(
             longest, max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank, dp_cp_size=dp_cp_size
         )
     model = workload or WorkloadModel()
-    groups = dp_cp_size // k
     costs = [model.cost(n) for n in lens]
-    order = sorted(range(len(lens)), key=lambda i: (-costs[i], i))
-    loads = [0] * groups
-    counts = [0] * groups
-    members: list[list[int]] = [[] for _ in range(groups)]
-    for i in order:
-        # least load; then fewer sequences (so zero-cost ties still spread); then lower index
-        g = min(range(groups), key=lambda g: (loads[g], counts[g], g))
-        members[g].append(i)
-        loads[g] += costs[i]
-        counts[g] += 1
+    # every group has size k >= every sequence's need: plain LPT over equal groups
+    assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(lens), costs)
+    assert assigned is not None
+    members, loads = assigned
     return DynamicCPPlan(
         seq_lens=lens,
         dp_cp_size=dp_cp_size,
@@ -291,24 +305,6 @@ def plan_dynamic_cp(
         assignments=tuple(tuple(sorted(m)) for m in members),
         loads=tuple(loads),
     )
-
-
-def _assign_to_blocks(
-    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int]
-) -> tuple[list[list[int]], list[int]] | None:
-    """LPT over blocks of ``sizes``: each sequence (largest cost first) onto the block, among those at
-    least as large as it needs, whose per-rank load ``(load + cost) / size`` is then smallest (ties: fewer
-    sequences, lower block index). None when a sequence fits no block."""
-    loads = [0] * len(sizes)
-    members: list[list[int]] = [[] for _ in sizes]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        fits = [j for j, k in enumerate(sizes) if k >= need[i]]
-        if not fits:
-            return None
-        j = min(fits, key=lambda j: (Fraction(loads[j] + costs[i], sizes[j]), len(members[j]), j))
-        members[j].append(i)
-        loads[j] += costs[i]
-    return members, loads
 
 
 def plan_mixed_cp(
