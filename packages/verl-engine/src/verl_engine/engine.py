@@ -308,6 +308,10 @@ class Engine:
     def train_step(self, micro_batches: list[Batch], *, lr: float) -> StepMetrics:
         """One optimizer step over this rank's micro-batches at learning rate ``lr``."""
         loss, tokens = self.compute_gradients(micro_batches)
+        return self._finish_step(loss, tokens, lr=lr)
+
+    def _finish_step(self, loss: float, tokens: int, *, lr: float) -> StepMetrics:
+        """Set ``lr``, step the optimizer on the gradients just computed, report the step."""
         self.set_lr(lr)
         grad_norm = self.optimizer_step()
         return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
@@ -410,9 +414,7 @@ class Engine:
     def train_step_packed(self, batch: PackedBatch, *, lr: float) -> StepMetrics:
         """One optimizer step over a packed global batch (see :meth:`compute_gradients_packed`)."""
         loss, tokens = self.compute_gradients_packed(batch)
-        self.set_lr(lr)
-        grad_norm = self.optimizer_step()
-        return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
+        return self._finish_step(loss, tokens, lr=lr)
 
 
 def build_engine(
@@ -467,6 +469,16 @@ def build_engine(
         model = build_thd_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
         cp_groups = _pool_cp_groups()
         cp_workload = WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size)
+    # What both backends' engines share; each adds its model, optimizer and backend flag.
+    make_engine = partial(
+        Engine,
+        dims=dims,
+        device=device,
+        clip_grad=o.clip_grad,
+        cp_layout=cp_layout,
+        cp_groups=cp_groups,
+        cp_workload=cp_workload,
+    )
     if debug:
         decay, no_decay = [], []
         for name, p in model.named_parameters():
@@ -477,17 +489,7 @@ def build_engine(
             betas=(o.betas[0], o.betas[1]),
             eps=o.eps,
         )
-        return Engine(
-            model=model,
-            optimizer=optimizer,
-            dims=dims,
-            device=device,
-            debug=True,
-            clip_grad=o.clip_grad,
-            cp_layout=cp_layout,
-            cp_groups=cp_groups,
-            cp_workload=cp_workload,
-        )
+        return make_engine(model=model, optimizer=optimizer, debug=True)
 
     from megatron.core.optimizer import OptimizerConfig
 
@@ -525,17 +527,7 @@ def build_engine(
     else:
         optimizer = make_megatron_optimizer(opt_config, chunks)
     attach_training_hooks(chunks, optimizer)
-    return Engine(
-        model=ddp_model,
-        optimizer=optimizer,
-        dims=dims,
-        device=device,
-        debug=False,
-        clip_grad=o.clip_grad,
-        cp_layout=cp_layout,
-        cp_groups=cp_groups,
-        cp_workload=cp_workload,
-    )
+    return make_engine(model=ddp_model, optimizer=optimizer, debug=False)
 
 
 @dataclass
