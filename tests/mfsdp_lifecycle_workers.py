@@ -73,20 +73,11 @@ def _build(
 
 
 def _optimizer(models: Sequence[list[torch.nn.Module]]) -> Any:
-    from megatron.core.optimizer import OptimizerConfig
-
+    from mfsdp_workers import adam_config
     from verl_mcore_utils.module import attach_training_hooks
     from verl_mfsdp import make_megatron_fsdp_optimizer
 
-    cfg = OptimizerConfig(
-        optimizer="adam",
-        lr=3e-3,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        use_distributed_optimizer=True,
-        clip_grad=1.0,
-    )
-    opt = make_megatron_fsdp_optimizer(cfg, [c for chunks in models for c in chunks])
+    opt = make_megatron_fsdp_optimizer(adam_config(), [c for chunks in models for c in chunks])
     for chunks in models:
         attach_training_hooks(chunks, opt)
     return opt

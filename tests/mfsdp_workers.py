@@ -7,6 +7,21 @@ from typing import Any
 import torch
 
 
+def adam_config() -> Any:
+    """The optimizer of every Megatron-FSDP GPU test (and of its DDP reference runs): Adam lr 3e-3, bf16
+    with fp32 main params, distributed, gradients clipped at 1.0."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=3e-3,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
+
+
 def train_steps(
     rank: int,
     world_size: int,
@@ -21,7 +36,6 @@ def train_steps(
     ``path``: None = our provider with a 4-layer hidden-128 model; "provider" / "mbridge" / "spec" = the tiny
     model of that construction path (construction_workers.make_provider).
     """
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_steps import schedule_step
@@ -47,14 +61,7 @@ def train_steps(
         from construction_workers import make_provider
 
         provider = make_provider(path, ckpt=ckpt)
-    opt_cfg = OptimizerConfig(
-        optimizer="adam",
-        lr=3e-3,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        use_distributed_optimizer=True,
-        clip_grad=1.0,
-    )
+    opt_cfg = adam_config()
     if backend_kind == "fsdp":
         override = {"data_parallel_sharding_strategy": strategy} if strategy else {}
         chunks = make_megatron_fsdp_module(
