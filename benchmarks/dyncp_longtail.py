@@ -16,8 +16,11 @@ spread over the GPUs:
   budget; ``dynamic@8192`` runs it with 8192),
 * dynamic mixed: several k inside one micro-batch (verl-dyncp's mixed plan).
 
+A ``+te`` suffix (``static4+te``, ``dynamic+te``) runs the layout with Transformer Engine's attention
+(megatron.packed_attention_backend=te: TE's fused attention and TE's own ring CP) instead of verl-dyncp's.
+
 Model: the engine's Qwen2 preset (``--preset``), bf16, megatron-core DDP + distributed optimizer, verl-dyncp
-attention with torch's varlen flash kernel (no Transformer Engine). Tokens/s counts real (unpadded) tokens
+attention with torch's varlen flash kernel (Transformer Engine's with ``+te``). Tokens/s counts real (unpadded) tokens
 of the global batch per second of optimizer step, averaged over the steps after ``--warmup``; peak memory is
 torch.cuda.max_memory_allocated, the maximum over ranks. One process group; the layouts run one after the
 other, each with a freshly built engine (same seed: same initial weights), so their losses are comparable.
@@ -64,6 +67,7 @@ def lengths_for_steps(
 def layout_for(name: str, args: argparse.Namespace) -> Any:
     from verl_engine.packed import CPLayout
 
+    name = name.partition("+")[0]  # "+te": the attention backend, not the layout
     budget = args.tokens_per_rank
     if name == "none":
         return CPLayout(static_cp_size=1, max_tokens_per_rank=budget)
@@ -92,6 +96,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             "megatron.use_distributed_optimizer=true",
             "optim.lr=1e-4",
             "optim.lr_warmup_steps=0",
+            f"megatron.packed_attention_backend={name.partition('+')[2] or 'auto'}",
         ],
     )
     hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768)
@@ -132,6 +137,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock: a step ends when all ranks end
     result = {
         "layout": layout_for(name, args).describe(),
+        "attention": cfg.megatron.packed_attention_backend,
         "tokens_per_s": sum(real_tokens) / float(t.item()),
         "step_time_s_mean": float(t.item()) / len(step_times),
         "step_times_s_rank0": step_times,

@@ -100,6 +100,10 @@ def packed_run(
         "plans": plans,
         "engine": engine.describe(),
         "positions": _merged_positions(engine, data[0]),
+        # which core attention ran (verl-dyncp's own or Transformer Engine's)
+        "attention": sorted(
+            {type(m).__name__ for n, m in engine.model.named_modules() if n.endswith("core_attention")}
+        ),
     }
 
 

@@ -13,6 +13,11 @@ bf16 CP vs bf16 no-CP loss difference is also bounded by 1e-2 relative (verl's l
 uses rtol 1e-3 for CP2 vs no CP, and the measured values are printed and recorded in docs/benchmarks.md).
 RoPE positions are integers and must equal the no-CP positions exactly. An fp32 run with dynamic CP on
 4 GPUs must match the fp32 no-CP run to 1e-4 (only reduction order differs).
+
+Transformer Engine (``megatron.packed_attention_backend=te``, when TE is installed): the same layouts with
+TE's fused attention and TE's own ring CP, the CP group switched per micro-batch. TE's attention has no
+fp32 path, so its own error is that of the bf16 TE run without CP (one GPU) vs the fp32 reference, and
+the same rule applies (CP error <= 2 x own + 1e-3, direct loss difference <= 1e-2, positions exact).
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ DYN = ["megatron.dynamic_context_parallel=true"]
 DYN2 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=512"]  # k: 2 for 800 / 1000 tokens, 1 for the rest
 DYN4 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=256"]  # k: 4 for 800 / 1000, 2 for 512, 1 for the rest
 BUDGET = 512  # micro-batch token budget per rank for static layouts
+TE = ["megatron.packed_attention_backend=te"]
+LAYOUTS = [
+    (2, ["megatron.context_parallel_size=2"], BUDGET),
+    (2, DYN2, None),
+    (4, ["megatron.context_parallel_size=4"], BUDGET),
+    (4, ["megatron.context_parallel_size=2"], BUDGET),
+    (4, DYN4, None),
+]
+LAYOUT_IDS = ["static2-w2", "dynamic-w2", "static4-w4", "static2-w4", "dynamic-w4"]
 
 
 def _run(world: int, overrides: list[str], budget: int | None) -> dict[str, Any]:
@@ -61,36 +75,62 @@ def _errors(out: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     }
 
 
-@pytest.mark.num_gpus(4)
-@pytest.mark.parametrize(
-    ("world", "overrides", "budget"),
-    [
-        (2, ["megatron.context_parallel_size=2"], BUDGET),
-        (2, DYN2, None),
-        (4, ["megatron.context_parallel_size=4"], BUDGET),
-        (4, ["megatron.context_parallel_size=2"], BUDGET),
-        (4, DYN4, None),
-    ],
-    ids=["static2-w2", "dynamic-w2", "static4-w4", "static2-w4", "dynamic-w4"],
-)
-def test_bf16_cp_matches_no_cp(refs: dict, world: int, overrides: list[str], budget: int | None) -> None:
-    out = _run(world, [*BF16, *overrides], budget)
-    own = _errors(refs["bf16"], refs["fp32"])  # bf16's own error, no CP
-    cp = _errors(out, refs["fp32"])
-    direct = _errors(out, refs["bf16"])
+def _check_cp_run(
+    out: dict[str, Any], ref_bf16: dict[str, Any], fp32: dict[str, Any], world: int, overrides: list[str]
+) -> None:
+    own = _errors(ref_bf16, fp32)  # bf16's own error, no CP
+    cp = _errors(out, fp32)
+    direct = _errors(out, ref_bf16)
     print(
-        f"\nworld={world} {overrides}: plans={out['plans']}\n  bf16 no-CP vs fp32 {own}\n"
-        f"  bf16 CP vs fp32 {cp}\n  bf16 CP vs bf16 no-CP {direct}"
+        f"\nworld={world} {overrides} attention={out['attention']}: plans={out['plans']}\n"
+        f"  bf16 no-CP vs fp32 {own}\n  bf16 CP vs fp32 {cp}\n  bf16 CP vs bf16 no-CP {direct}"
     )
     for key in own:
         assert cp[key] <= 2 * own[key] + 1e-3, (key, cp, own)
     assert direct["loss"] <= 1e-2, direct
-    assert out["positions"] == refs["fp32"]["positions"]
+    assert out["positions"] == fp32["positions"]
     sizes = {s for step in out["plans"] for mb in step for s in mb}
     if "megatron.dynamic_context_parallel=true" in overrides:
         assert 1 in sizes and max(sizes) == world, out["plans"]  # short micro-batches without CP
     else:
         assert sizes == {int(overrides[0].split("=")[1])}
+
+
+@pytest.mark.num_gpus(4)
+@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS, ids=LAYOUT_IDS)
+def test_bf16_cp_matches_no_cp(refs: dict, world: int, overrides: list[str], budget: int | None) -> None:
+    out = _run(world, [*BF16, *overrides], budget)
+    assert out["attention"] == ["DynCPCoreAttentionRoPE"], out["attention"]
+    _check_cp_run(out, refs["bf16"], refs["fp32"], world, overrides)
+
+
+@pytest.fixture(scope="module")
+def te_ref() -> dict[str, Any]:
+    """bf16 with Transformer Engine's attention, no CP, one GPU (TE's own bf16 error)."""
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    return _run(1, [*BF16, *TE], 4096)
+
+
+@pytest.mark.num_gpus(4)
+def test_transformer_engine_without_cp_is_as_accurate_as_bf16(refs: dict, te_ref: dict) -> None:
+    """TE's own error (the baseline of the CP checks below) must itself be bf16-sized, else they prove nothing."""
+    own = _errors(refs["bf16"], refs["fp32"])
+    te_own = _errors(te_ref, refs["fp32"])
+    print(f"\nbf16 no-CP vs fp32: verl-dyncp attention {own}\n  Transformer Engine {te_own}")
+    assert te_ref["attention"] == ["TEDynCPCoreAttentionRoPE"], te_ref["attention"]
+    for key in own:
+        assert te_own[key] <= 2 * own[key] + 1e-3, (key, te_own, own)
+    assert te_ref["positions"] == refs["fp32"]["positions"]
+
+
+@pytest.mark.num_gpus(4)
+@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS, ids=LAYOUT_IDS)
+def test_bf16_transformer_engine_cp_matches_no_cp(
+    refs: dict, te_ref: dict, world: int, overrides: list[str], budget: int | None
+) -> None:
+    out = _run(world, [*BF16, *TE, *overrides], budget)
+    assert out["attention"] == ["TEDynCPCoreAttentionRoPE"], out["attention"]
+    _check_cp_run(out, te_ref, refs["fp32"], world, overrides)
 
 
 @pytest.mark.num_gpus(4)

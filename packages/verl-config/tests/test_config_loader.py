@@ -90,6 +90,10 @@ def test_invalid_value_names_section_path() -> None:
         load_config(SFTConfig, overrides=["megatron.tensor_model_parallel_size=0"])
     with pytest.raises(ConfigValueError, match=r"megatron\.dtype: must be one of"):
         load_config(SFTConfig, overrides=["megatron.dtype=fp8"])
+    with pytest.raises(
+        ConfigValueError, match=r"megatron\.packed_attention_backend: must be one of 'auto', 'varlen', 'sdpa', 'te'; got 'flash'"
+    ):
+        load_config(SFTConfig, overrides=["megatron.packed_attention_backend=flash"])
     with pytest.raises(ConfigValueError, match=r"optim\.min_lr: must not exceed lr"):
         load_config(SFTConfig, overrides=["optim.lr=1e-4", "optim.min_lr=1e-3"])
 

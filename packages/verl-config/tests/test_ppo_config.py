@@ -68,6 +68,7 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
         "dist_checkpointing_path": None,
         "dynamic_context_parallel": False,
         "max_seqlen_per_dp_cp_rank": None,
+        "packed_attention_backend": "auto",
         "seed": 42,
         "override_ddp_config": {},
         "override_transformer_config": {

@@ -6,6 +6,7 @@ each whole sequence, without CP. GPU tests (marked) compare the varlen flash ker
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -542,3 +543,20 @@ def _check_gpu(world_size: int) -> None:
             err = float((got - ref).abs().max()) / float(ref.abs().max())
             print(f"varlen vs sdpa, bf16, cp={world_size}, {name}: {err:.3e}")
             assert err < 2e-2, (name, err)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="checks the error without Transformer Engine",
+)
+def test_te_kernel_without_transformer_engine_is_a_clear_error() -> None:
+    from verl_dyncp.te_attention import te_attention_available, te_core_attention
+
+    assert not te_attention_available()
+    with pytest.raises(
+        ImportError,
+        match=r"needs Transformer Engine .*pip install 'transformer-engine\[pytorch\]'.*kernel 'auto'",
+    ):
+        te_core_attention(rotary_base=10000.0)
+    with pytest.raises(ValueError, match="cp_comm_type must be one of p2p, all_gather, a2a"):
+        te_core_attention(rotary_base=10000.0, cp_comm_type="ring")

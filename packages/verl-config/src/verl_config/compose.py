@@ -56,6 +56,7 @@ _REF_FOLLOWS_ACTOR = (
     "sequence_parallel",
     "dynamic_context_parallel",
     "max_seqlen_per_dp_cp_rank",
+    "packed_attention_backend",
     "use_mbridge",
     "vanilla_mbridge",
     "use_remove_padding",

@@ -29,6 +29,8 @@ MEGATRON_FSDP_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_
 _RECOMPUTE_GRANULARITY = (None, "full", "selective")
 _RECOMPUTE_METHOD = (None, "uniform", "block")
 _ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# Attention of the packed (THD) path (verl-dyncp): torch kernels, or Transformer Engine's when installed.
+PACKED_ATTENTION_BACKENDS = ("auto", "varlen", "sdpa", "te")
 
 
 def _default_override_transformer_config() -> dict[str, Any]:
@@ -66,6 +68,7 @@ class McoreEngineConfig:
     dist_checkpointing_path: str | None = None
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
+    packed_attention_backend: str = "auto"
     seed: int = 42
     override_ddp_config: dict[str, Any] = field(default_factory=dict)
     override_transformer_config: dict[str, Any] = field(default_factory=_default_override_transformer_config)
@@ -94,6 +97,7 @@ class McoreEngineConfig:
         if self.max_token_len_per_gpu is not None:
             check_positive("max_token_len_per_gpu", self.max_token_len_per_gpu)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("packed_attention_backend", self.packed_attention_backend, PACKED_ATTENTION_BACKENDS)
         if self.virtual_pipeline_model_parallel_size is not None and self.pipeline_model_parallel_size == 1:
             raise ConfigValueError(
                 "virtual_pipeline_model_parallel_size",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_config.engines import DTYPES
+from verl_config.engines import DTYPES, PACKED_ATTENTION_BACKENDS
 from verl_config.errors import ConfigValueError
 from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
 
@@ -58,6 +58,7 @@ class SFTMegatronConfig:
     use_megatron_fsdp: bool = False
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
+    packed_attention_backend: str = "auto"
     override_ddp_config: dict[str, Any] = field(default_factory=dict)
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 42
@@ -67,6 +68,7 @@ class SFTMegatronConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             check_positive(key, getattr(self, key))
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("packed_attention_backend", self.packed_attention_backend, PACKED_ATTENTION_BACKENDS)
         check_dynamic_context_parallel(
             dynamic_context_parallel=self.dynamic_context_parallel,
             max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,

@@ -168,7 +168,8 @@ def dyncp_core_attention(
     here from the true token positions and the model must be built with ``position_embedding_type="none"``.
     """
     if kernel not in ("auto", "varlen", "sdpa"):
-        raise ValueError(f"kernel must be 'auto', 'varlen' or 'sdpa', got {kernel!r}")
+        hint = " ('te' is built by thd_layer_spec / te_core_attention)" if kernel == "te" else ""
+        raise ValueError(f"kernel must be 'auto', 'varlen' or 'sdpa', got {kernel!r}{hint}")
     name = "DynCPCoreAttention" if rotary_base is None else "DynCPCoreAttentionRoPE"
     return type(
         name,

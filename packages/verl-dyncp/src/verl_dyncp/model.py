@@ -38,17 +38,23 @@ def thd_layer_spec(
     rotary_percent: float = 1.0,
     kernel: str = "auto",
 ) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with DynCPCoreAttention.
+    """megatron-core's local GPT layer spec with DynCPCoreAttention, or with Transformer Engine's attention.
 
-    RoPE is applied inside the attention when ``rotary_base`` is set (build the model with
-    ``position_embedding_type="none"``, as :func:`build_thd_gpt_model` does).
+    ``kernel``: "auto" / "varlen" / "sdpa" pick DynCPCoreAttention's kernel (no Transformer Engine);
+    "te" uses :func:`verl_dyncp.te_attention.te_core_attention` (TE's fused attention and TE's own CP,
+    ImportError naming the fix when TE is missing). RoPE is applied inside the attention when
+    ``rotary_base`` is set (build the model with ``position_embedding_type="none"``, as
+    :func:`build_thd_gpt_model` does).
     """
-    return local_layer_spec(
-        tf_config,
-        core_attention=dyncp_core_attention(
+    if kernel == "te":
+        from verl_dyncp.te_attention import te_core_attention
+
+        core_attention: type = te_core_attention(rotary_base=rotary_base, rotary_percent=rotary_percent)
+    else:
+        core_attention = dyncp_core_attention(
             rotary_base=rotary_base, rotary_percent=rotary_percent, kernel=kernel
-        ),
-    )
+        )
+    return local_layer_spec(tf_config, core_attention=core_attention)
 
 
 def build_thd_gpt_model(

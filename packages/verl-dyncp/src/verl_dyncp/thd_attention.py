@@ -95,14 +95,16 @@ def attach_cp_context(
     """Attach the CP group (and optional RoPE positions) of this micro-batch to ``packed_seq_params``.
 
     Returns the same object. Where PackedSeqParams has ``local_cp_size`` / ``cp_group`` (megatron-core
-    >= 0.16) they are filled too, so Transformer Engine's attention would see the same group.
+    >= 0.16) they are filled too, so megatron's Transformer Engine attention sees the same group; for CP
+    size 1 that is ``cp_group=None, local_cp_size=1``, which switches TE's CP off (with
+    ``local_cp_size=None`` TE would keep the previous micro-batch's group).
     """
     context = CPContext(cp_group=cp_group, position_ids=position_ids)
     object.__setattr__(packed_seq_params, _CONTEXT_ATTR, context)
     object.__setattr__(packed_seq_params, _LAYOUT_CACHE_ATTR, {})
     from verl_mcore_utils.compat import packed_seq_params_fields  # megatron-core only when used
 
-    if "cp_group" in packed_seq_params_fields() and cp_group is not None:
+    if "cp_group" in packed_seq_params_fields():
         packed_seq_params.cp_group = cp_group
         packed_seq_params.local_cp_size = context.size
     return packed_seq_params

@@ -466,7 +466,9 @@ def build_engine(
         from verl_dyncp.model import build_thd_gpt_model
         from verl_dyncp.planner import WorkloadModel
 
-        model = build_thd_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
+        model = build_thd_gpt_model(
+            hf_config=hf_config, tf_config=tf_config, device=device, kernel=m.packed_attention_backend
+        )
         cp_groups = _pool_cp_groups()
         cp_workload = WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size)
     # What both backends' engines share; each adds its model, optimizer and backend flag.
