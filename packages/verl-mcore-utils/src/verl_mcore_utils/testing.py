@@ -5,10 +5,17 @@ two spawned processes, initialises torch.distributed in each, calls ``fn(rank, w
 and returns the per-rank results. An exception on any rank is re-raised in the caller with that
 rank's traceback; a rank that does not finish within ``timeout_s`` makes the whole run fail (the
 other processes are killed) instead of hanging the test session.
+
+Rendezvous without a port race: the caller's process opens the TCPStore server itself on a port the OS
+assigns (port 0) and keeps it open for the whole run; the ranks join it as clients. (Picking a free
+port, closing it and letting rank 0 bind it again seconds later, after its imports, lets any other
+process on the machine take the port in between: an intermittent failure on a busy CI machine.)
+A failure report is also written to stderr, so it ends the captured output of a failing test.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue as queue_mod
 import socket
@@ -18,6 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["DistributedRunError", "free_port", "run_distributed"]
@@ -42,9 +50,9 @@ def _worker(
     fn: Callable[..., Any],
     args: Sequence[Any],
     queue: Any,
+    timeout_s: float,
 ) -> None:
     import torch
-    import torch.distributed as dist
 
     os.environ.update(
         {
@@ -59,7 +67,11 @@ def _worker(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:
@@ -88,10 +100,21 @@ def run_distributed(
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous server lives here, on an OS-assigned port, until every rank is done (see module doc).
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size=None,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    port = server.port
     procs = [
         ctx.Process(
-            target=_worker, args=(rank, world_size, port, backend, fn, tuple(args), queue), daemon=True
+            target=_worker,
+            args=(rank, world_size, port, backend, fn, tuple(args), queue, timeout_s),
+            daemon=True,
         )
         for rank in range(world_size)
     ]
@@ -99,6 +122,7 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    killed: set[int] = set()  # ranks this function had to stop (not failures of their own)
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) + len(failures) < world_size:
@@ -111,6 +135,15 @@ def run_distributed(
                 rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:  # a rank may have reported just before exiting: read what is queued first
+                    _drain(queue, results, failures)
+                    dead = [
+                        i
+                        for i in dead
+                        if i not in results and not any(f"--- rank {i} ---" in f for f in failures)
+                    ]
+                if failures:
+                    break  # a rank failed: the others may now block in a collective
                 if dead:
                     raise DistributedRunError(
                         f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
@@ -121,12 +154,47 @@ def run_distributed(
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")
                 break  # other ranks may now block in a collective: stop them
+    except DistributedRunError as err:
+        _report(str(err))
+        raise
     finally:
-        for p in procs:
+        for i, p in enumerate(procs):
             p.join(timeout=5 if not failures else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
+                killed.add(i)
+        del server
     if failures:
-        raise DistributedRunError("distributed run failed:\n" + "\n".join(failures))
+        died = [
+            (i, p.exitcode)
+            for i, p in enumerate(procs)
+            if i not in results
+            and p.exitcode not in (None, 0, -9)
+            and f"--- rank {i} ---" not in "".join(failures)
+        ]
+        if died:  # a rank that died without a report (e.g. killed, os._exit) explains the others' errors
+            failures.append(
+                f"rank(s) {[i for i, _ in died]} exited with codes {[c for _, c in died]} without reporting"
+            )
+        message = "distributed run failed:\n" + "\n".join(failures)
+        _report(message)
+        raise DistributedRunError(message)
     return [results[r] for r in range(world_size)]
+
+
+def _drain(queue: Any, results: dict[int, Any], failures: list[str]) -> None:
+    while True:
+        try:
+            rank, ok, payload = queue.get(timeout=0.2)
+        except queue_mod.Empty:
+            return
+        if ok:
+            results[rank] = payload
+        else:
+            failures.append(f"--- rank {rank} ---\n{payload}")
+
+
+def _report(message: str) -> None:
+    """Write the failure last to stderr: CI logs often keep only the tail of a test's output."""
+    print(f"\nrun_distributed: {message}", file=sys.stderr, flush=True)
