@@ -111,7 +111,7 @@ def te_ref() -> dict[str, Any]:
     return _run(1, [*BF16, *TE], 4096)
 
 
-@pytest.mark.num_gpus(4)
+@pytest.mark.num_gpus(1)
 def test_transformer_engine_without_cp_is_as_accurate_as_bf16(refs: dict, te_ref: dict) -> None:
     """TE's own error (the baseline of the CP checks below) must itself be bf16-sized, else they prove nothing."""
     own = _errors(refs["bf16"], refs["fp32"])

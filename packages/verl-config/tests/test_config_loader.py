@@ -91,7 +91,8 @@ def test_invalid_value_names_section_path() -> None:
     with pytest.raises(ConfigValueError, match=r"megatron\.dtype: must be one of"):
         load_config(SFTConfig, overrides=["megatron.dtype=fp8"])
     with pytest.raises(
-        ConfigValueError, match=r"megatron\.packed_attention_backend: must be one of 'auto', 'varlen', 'sdpa', 'te'; got 'flash'"
+        ConfigValueError,
+        match=r"megatron\.packed_attention_backend: must be one of 'auto', 'varlen', 'sdpa', 'te'; got 'flash'",
     ):
         load_config(SFTConfig, overrides=["megatron.packed_attention_backend=flash"])
     with pytest.raises(ConfigValueError, match=r"optim\.min_lr: must not exceed lr"):

@@ -11,6 +11,8 @@ Public API:
 * attention: :class:`DynCPCoreAttention` / :func:`dyncp_core_attention` (megatron-core core attention for THD +
   a CP group that may change on every call, RoPE from true positions, no Transformer Engine),
   :func:`attach_cp_context`, :func:`thd_layer_spec`, :func:`build_thd_gpt_model`.
+* Transformer Engine (optional): :func:`te_core_attention` (TE's fused attention and ring CP on the same
+  batches and groups, ``kernel="te"`` in thd_layer_spec / build_thd_gpt_model), :func:`te_attention_available`.
 
 The megatron-dependent names are imported lazily, so the torch-only parts (groups, layout, planner,
 attention math) can be used, and spawned test ranks start, without importing megatron-core.
@@ -33,6 +35,7 @@ from verl_dyncp.planner import (
     plan_dynamic_cp,
     plan_mixed_cp,
 )
+from verl_dyncp.te_attention import te_attention_available, te_core_attention
 from verl_dyncp.thd import (
     THDBatch,
     THDPackedMeta,
@@ -76,6 +79,8 @@ __all__ = [
     "plan_mixed_cp",
     "postprocess_thd_engine",
     "preprocess_thd_engine",
+    "te_attention_available",
+    "te_core_attention",
     "thd_attention",
     "thd_layer_spec",
     "thd_packed_seq_params",

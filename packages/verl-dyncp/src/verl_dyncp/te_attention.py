@@ -90,8 +90,6 @@ def te_core_attention(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["cp_comm_type"] = comm
             super().__init__(*args, **kwargs)
-            if megatron_te_dpa.cp_stream is None:
-                megatron_te_dpa.cp_stream = torch.cuda.Stream()
             self._static_cp_group = getattr(self, "cp_group", None)
             self._inv_freq = (
                 rope_inv_freq(
@@ -111,6 +109,8 @@ def te_core_attention(
             if group is None:
                 te_dpa.set_context_parallel_group(self, None, None, None, comm)
             else:
+                if megatron_te_dpa.cp_stream is None:  # created on first use: construction needs no GPU
+                    megatron_te_dpa.cp_stream = torch.cuda.Stream()
                 te_dpa.set_context_parallel_group(
                     self, group, dist.get_process_group_ranks(group), megatron_te_dpa.cp_stream, comm
                 )
