@@ -152,6 +152,16 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     return result
 
 
+def _te_version() -> str | None:
+    """Transformer Engine's version where installed (the ``+te`` layouts need it), else None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformer_engine")
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,6 +222,7 @@ def main() -> None:
             "gpus": dist.get_world_size(),
             "torch": torch.__version__,
             "megatron_core": str(mcore_version()),
+            "transformer_engine": _te_version(),
             # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
             "config": {

@@ -560,3 +560,21 @@ def test_te_kernel_without_transformer_engine_is_a_clear_error() -> None:
         te_core_attention(rotary_base=10000.0)
     with pytest.raises(ValueError, match="cp_comm_type must be one of p2p, all_gather, a2a"):
         te_core_attention(rotary_base=10000.0, cp_comm_type="ring")
+
+
+def test_attach_cp_context_switches_te_cp_off_for_cp_size_1() -> None:
+    """megatron >= 0.16 reads PackedSeqParams.cp_group / local_cp_size in its TE attention: for a k = 1 micro-batch
+    they must say "no CP" (cp_group None, local_cp_size 1); local_cp_size None would keep the previous group."""
+    from verl_dyncp.thd_attention import attach_cp_context, get_cp_context
+    from verl_mcore_utils.compat import make_packed_seq_params, packed_seq_params_fields
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = attach_cp_context(
+        make_packed_seq_params(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5
+        ),
+        cp_group=None,
+    )
+    assert get_cp_context(params).size == 1
+    if "cp_group" in packed_seq_params_fields():
+        assert params.cp_group is None and params.local_cp_size == 1
