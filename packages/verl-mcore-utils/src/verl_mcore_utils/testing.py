@@ -121,7 +121,7 @@ def run_distributed(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    failures: list[str] = []
+    failures: dict[int, str] = {}  # rank -> its traceback
     killed: set[int] = set()  # ranks this function had to stop (not failures of their own)
     deadline = time.monotonic() + timeout_s
     try:
@@ -132,28 +132,18 @@ def run_distributed(
                     f"timed out after {timeout_s:.0f}s: ranks {sorted(set(range(world_size)) - set(results))} did not finish"
                 )
             try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+                _record(queue.get(timeout=min(remaining, 1.0)), results, failures)
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
                 if dead:  # a rank may have reported just before exiting: read what is queued first
                     _drain(queue, results, failures)
-                    dead = [
-                        i
-                        for i in dead
-                        if i not in results and not any(f"--- rank {i} ---" in f for f in failures)
-                    ]
-                if failures:
-                    break  # a rank failed: the others may now block in a collective
-                if dead:
+                    dead = [i for i in dead if i not in results and i not in failures]
+                if dead and not failures:
                     raise DistributedRunError(
                         f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
                     ) from None
-                continue
-            if ok:
-                results[rank] = payload
-            else:
-                failures.append(f"--- rank {rank} ---\n{payload}")
-                break  # other ranks may now block in a collective: stop them
+            if failures:
+                break  # a rank failed: the others may now block in a collective, stop them
     except DistributedRunError as err:
         _report(str(err))
         raise
@@ -166,33 +156,38 @@ def run_distributed(
                 killed.add(i)
         del server
     if failures:
+        lines = [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items())]
         died = [
             (i, p.exitcode)
             for i, p in enumerate(procs)
-            if i not in results
-            and p.exitcode not in (None, 0, -9)
-            and f"--- rank {i} ---" not in "".join(failures)
+            if i not in results and i not in failures and i not in killed and p.exitcode not in (None, 0)
         ]
         if died:  # a rank that died without a report (e.g. killed, os._exit) explains the others' errors
-            failures.append(
+            lines.append(
                 f"rank(s) {[i for i, _ in died]} exited with codes {[c for _, c in died]} without reporting"
             )
-        message = "distributed run failed:\n" + "\n".join(failures)
+        message = "distributed run failed:\n" + "\n".join(lines)
         _report(message)
         raise DistributedRunError(message)
     return [results[r] for r in range(world_size)]
 
 
-def _drain(queue: Any, results: dict[int, Any], failures: list[str]) -> None:
+def _record(item: tuple[int, bool, Any], results: dict[int, Any], failures: dict[int, str]) -> None:
+    """File one rank's report: its result, or its traceback."""
+    rank, ok, payload = item
+    if ok:
+        results[rank] = payload
+    else:
+        failures[rank] = payload
+
+
+def _drain(queue: Any, results: dict[int, Any], failures: dict[int, str]) -> None:
+    """Record every report already queued."""
     while True:
         try:
-            rank, ok, payload = queue.get(timeout=0.2)
+            _record(queue.get(timeout=0.2), results, failures)
         except queue_mod.Empty:
             return
-        if ok:
-            results[rank] = payload
-        else:
-            failures.append(f"--- rank {rank} ---\n{payload}")
 
 
 def _report(message: str) -> None:
