@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -44,3 +45,31 @@ def test_a_failing_rank_is_reraised_with_its_traceback(capfd: pytest.CaptureFixt
 def test_a_dying_rank_is_an_error_not_a_hang() -> None:
     with pytest.raises(DistributedRunError, match=r"rank\(s\) \[1\] exited with codes \[3\]"):
         run_distributed(_rank1_dies, world_size=2, timeout_s=120)
+
+
+def _rank_tensor(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return {"values": torch.arange(1000, dtype=torch.float32) + rank}
+
+
+def test_tensor_results_outlive_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank exits right after reporting; its tensors must still be readable when the caller gets to them.
+
+    The caller is made slow after the first report, so the second rank has exited before its report
+    is read (torch's queue would have left a file descriptor to fetch from that dead process).
+    """
+    from verl_mcore_utils import testing
+
+    record = testing._record
+    calls = []
+
+    def slow_record(*args: object) -> None:
+        record(*args)  # type: ignore[arg-type]
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(4.0)
+
+    monkeypatch.setattr(testing, "_record", slow_record)
+    results = run_distributed(_rank_tensor, world_size=2, timeout_s=120)
+    for rank, result in enumerate(results):
+        assert torch.equal(result["values"], torch.arange(1000, dtype=torch.float32) + rank)
+        assert not result["values"].is_shared()  # a private copy, not memory lent by a process

@@ -11,12 +11,18 @@ assigns (port 0) and keeps it open for the whole run; the ranks join it as clien
 port, closing it and letting rank 0 bind it again seconds later, after its imports, lets any other
 process on the machine take the port in between: an intermittent failure on a busy CI machine.)
 A failure report is also written to stderr, so it ends the captured output of a failing test.
+
+Results travel as plain pickled bytes. torch's multiprocessing queue would move a tensor's storage by
+file descriptor, fetched from the producing process when the caller unpickles it; a rank that has
+already exited by then (it returns as soon as it has put its result) makes that read fail with
+"connection reset/refused", intermittently, depending on how fast the caller reads.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import socket
 import sys
@@ -73,7 +79,8 @@ def _worker(
             backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle: no file descriptors that outlive this process (see module doc).
+        queue.put((rank, True, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -176,7 +183,7 @@ def _record(item: tuple[int, bool, Any], results: dict[int, Any], failures: dict
     """File one rank's report: its result, or its traceback."""
     rank, ok, payload = item
     if ok:
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     else:
         failures[rank] = payload
 
