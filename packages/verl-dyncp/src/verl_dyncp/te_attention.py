@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_dyncp.rope import apply_rope, rope_inv_freq
-from verl_dyncp.thd_attention import get_cp_context, thd_layout
+from verl_dyncp.rope import rope_inv_freq
+from verl_dyncp.thd_attention import get_cp_context, local_rope_qk, thd_layout
 
 __all__ = ["te_attention_available", "te_core_attention"]
 
@@ -137,20 +137,14 @@ def te_core_attention(
             layout = thd_layout(
                 packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=query.device
             )
-            if query.shape[0] != layout.num_local_tokens:
-                raise ValueError(
-                    f"query has {query.shape[0]} tokens but cu_seqlens_padded / cp_size={layout.cp_size}"
-                    f" describe {layout.num_local_tokens}"
-                )
-            if self._inv_freq is not None:
-                positions = context.position_ids if context.position_ids is not None else layout.position_ids
-                positions = positions.to(query.device)
-                query = apply_rope(
-                    query, position_ids=positions, inv_freq=self._inv_freq, interleaved=self._interleaved
-                )
-                key = apply_rope(
-                    key, position_ids=positions, inv_freq=self._inv_freq, interleaved=self._interleaved
-                )
+            query, key = local_rope_qk(
+                query,
+                key,
+                layout=layout,
+                position_ids=context.position_ids,
+                inv_freq=self._inv_freq,
+                rotary_interleaved=self._interleaved,
+            )
             self._use_group(context.cp_group)
             if attn_mask_type is None:
                 from megatron.core.transformer.enums import AttnMaskType

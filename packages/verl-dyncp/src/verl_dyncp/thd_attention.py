@@ -56,6 +56,7 @@ __all__ = [
     "attach_cp_context",
     "build_thd_layout",
     "get_cp_context",
+    "local_rope_qk",
     "pick_kernel",
     "thd_attention",
     "thd_layout",
@@ -428,6 +429,35 @@ def pick_kernel(q: torch.Tensor, *, kernel: str = "auto", dropout_p: float = 0.0
     return "sdpa"
 
 
+def local_rope_qk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    layout: ThdLayout,
+    position_ids: torch.Tensor | None,
+    inv_freq: torch.Tensor | None,
+    rotary_interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check that ``query`` holds this rank's tokens of ``layout``; rotate q and k from the true positions.
+
+    Shared by every THD attention kernel (ours and Transformer Engine's): megatron's own RoPE would slice
+    frequencies by the static CP rank, wrong once the CP group changes per micro-batch. ``inv_freq`` None:
+    q and k unchanged. ``position_ids`` None: the layout's positions.
+    """
+    if query.shape[0] != layout.num_local_tokens:
+        raise ValueError(
+            f"query has {query.shape[0]} tokens but cu_seqlens_padded / cp_size={layout.cp_size} describe"
+            f" {layout.num_local_tokens}"
+        )
+    if inv_freq is None:
+        return query, key
+    positions = (position_ids if position_ids is not None else layout.position_ids).to(query.device)
+    return (
+        apply_rope(query, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved),
+        apply_rope(key, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved),
+    )
+
+
 def thd_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -447,19 +477,18 @@ def thd_attention(
     ``inv_freq`` set: q and k are rotated first with ``position_ids`` (default: the layout's true
     positions). With ``layout.cp_size > 1`` every rank of ``cp_group`` must call this together.
     """
-    if query.shape[0] != layout.num_local_tokens:
-        raise ValueError(
-            f"query has {query.shape[0]} tokens but cu_seqlens_padded / cp_size={layout.cp_size} describe"
-            f" {layout.num_local_tokens}"
-        )
+    q, k = local_rope_qk(
+        query,
+        key,
+        layout=layout,
+        position_ids=position_ids,
+        inv_freq=inv_freq,
+        rotary_interleaved=rotary_interleaved,
+    )
+    v = value
     group_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
     if group_size != layout.cp_size:
         raise ValueError(f"layout is for CP size {layout.cp_size} but the CP group has {group_size} ranks")
-    q, k, v = query, key, value
-    if inv_freq is not None:
-        positions = (position_ids if position_ids is not None else layout.position_ids).to(query.device)
-        q = apply_rope(q, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved)
-        k = apply_rope(k, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved)
     chosen = pick_kernel(q, kernel=kernel, dropout_p=dropout_p)
     if layout.cp_size > 1:
         kv = _AllGatherRows.apply(torch.cat((k, v), dim=-1), cp_group)
