@@ -23,7 +23,6 @@ from verl_config import (
     TrainerConfig,
     config_notes,
     default_tree,
-    engine_differences,
     load_config,
 )
 
@@ -66,6 +65,7 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
         "use_distributed_optimizer": True,
         "use_dist_checkpointing": False,
         "dist_checkpointing_path": None,
+        "dist_checkpointing_prefix": "",
         "dynamic_context_parallel": False,
         "max_seqlen_per_dp_cp_rank": None,
         "packed_attention_backend": "auto",
@@ -144,74 +144,8 @@ def test_other_section_defaults() -> None:
 
 
 # ------------------------------------------------------------------------- engine differences
-_SHARED_DIFFERENCES = {
-    "model_engine": ("fsdp", "megatron"),
-    f"{A}.strategy": ("fsdp", "megatron"),
-    "actor_rollout_ref.ref.strategy": ("fsdp", "megatron"),
-    "critic.strategy": ("fsdp", "megatron"),
-    "actor_rollout_ref.model.use_remove_padding": (True, False),
-    "critic.model.use_remove_padding": (True, False),
-    "actor_rollout_ref.model.override_config": (
-        {},
-        {"model_config": {}, "moe_config": {"freeze_moe_router": False}},
-    ),
-    "critic.model.override_config": ({}, {"model_config": {}, "moe_config": {"freeze_moe_router": False}}),
-    "actor_rollout_ref.rollout.layer_name_map": (
-        None,
-        {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"},
-    ),
-    "actor_rollout_ref.rollout.load_format": ("dummy_dtensor", "dummy_megatron"),
-}
-_FSDP_ONLY = {
-    A: {"fsdp_config", "ulysses_sequence_parallel_size", "use_torch_compile", "grad_clip"},
-    "actor_rollout_ref.ref": {"fsdp_config", "ulysses_sequence_parallel_size"},
-    "critic": {"fsdp_config", "ulysses_sequence_parallel_size", "grad_clip"},
-    f"{A}.optim": {"min_lr_ratio", "num_cycles", "warmup_style"},
-    "critic.optim": {"min_lr_ratio", "num_cycles", "warmup_style"},
-}
-_MCORE_OPTIM_ONLY = {
-    "optimizer",
-    "lr_warmup_init",
-    "lr_decay_steps",
-    "lr_decay_style",
-    "min_lr",
-    "weight_decay_incr_style",
-    "lr_wsd_decay_style",
-    "lr_wsd_decay_steps",
-    "use_checkpoint_opt_param_scheduler",
-    "override_optimizer_config",
-}
-_MEGATRON_ONLY = {
-    A: {"megatron", "load_weight", "data_loader_seed"},
-    "actor_rollout_ref.ref": {"megatron", "load_weight"},
-    "critic": {"megatron", "load_weight", "data_loader_seed"},
-    f"{A}.optim": _MCORE_OPTIM_ONLY,
-    "critic.optim": _MCORE_OPTIM_ONLY,
-}
-
-
-def test_every_engine_difference_is_pinned() -> None:
-    """Any change to an engine default must show up here (and in the generated configs)."""
-    trees = {e: OmegaConf.to_container(default_tree(e), resolve=False) for e in ("fsdp", "megatron")}
-
-    def node(tree: dict, path: str) -> Any:
-        for part in path.split("."):
-            tree = tree[part]
-        return tree
-
-    for path, keys in _FSDP_ONLY.items():
-        assert set(node(trees["fsdp"], path)) - set(node(trees["megatron"], path)) == keys, path
-    for path, keys in _MEGATRON_ONLY.items():
-        assert set(node(trees["megatron"], path)) - set(node(trees["fsdp"], path)) == keys, path
-    for path, (fsdp_value, megatron_value) in _SHARED_DIFFERENCES.items():
-        assert (node(trees["fsdp"], path), node(trees["megatron"], path)) == (fsdp_value, megatron_value), (
-            path
-        )
-    # ... and nothing else differs: every key of engine_differences() is covered by the lists above.
-    only = [f"{p}.{k}" for table in (_FSDP_ONLY, _MEGATRON_ONLY) for p, ks in table.items() for k in ks]
-    for key in engine_differences():
-        covered = any(key == p or key.startswith(p + ".") for p in [*only, *_SHARED_DIFFERENCES])
-        assert covered, f"unpinned engine difference: {key}"
+# Every default that differs between the engines is checked key by key against verl's own two generated
+# configs in test_verl_parity.py (each engine's tree against verl's for that engine).
 
 
 def test_nothing_lost_when_selecting_megatron() -> None:
@@ -317,8 +251,15 @@ def test_unknown_and_mistyped_keys() -> None:
             r"virtual .*need pipeline_model_parallel_size > 1",
         ),
         (
-            [f"{AM}.override_transformer_config.recompute_method=uniform"],
-            r"recompute_method only applies to recompute_granularity=full",
+            [f"{AM}.override_transformer_config.recompute_granularity=full"],
+            rf"{AM}.override_transformer_config.recompute_method: is null but .*recompute_granularity is 'full'",
+        ),
+        (
+            [
+                f"{AM}.override_transformer_config.recompute_granularity=selective",
+                f"{AM}.override_transformer_config.recompute_num_layers=2",
+            ],
+            r"recompute_num_layers: is 2 but recompute_granularity is 'selective'",
         ),
         ([f"{AM}.use_dist_checkpointing=true"], rf"{AM}.dist_checkpointing_path: is null"),
         (
@@ -348,7 +289,6 @@ def test_unknown_and_mistyped_keys() -> None:
             [f"{AM}.use_dynamic_bsz=true"],
             rf"{AM}.use_dynamic_bsz: is True but {A}.use_dynamic_bsz is False; .*set {A}.use_dynamic_bsz only",
         ),
-        (["algorithm.adv_estimator=grpo"], r"rollout.n: is 1 but algorithm.adv_estimator=grpo"),
         ([f"{AM}.tensor_model_parallel_size=0"], rf"{AM}.tensor_model_parallel_size: must be > 0, got 0"),
         (["trainer.resume_mode=resume_path"], r"trainer.resume_from_path: is null but resume_mode"),
     ],

@@ -36,6 +36,9 @@ from verl_config.ppo import (
     McoreRefConfig,
     TrainerConfig,
 )
+from verl_config.reward import McoreRewardModelConfig
+from verl_config.rollout import McoreRolloutConfig
+from verl_config.tree_cache import cached_bytes
 
 __all__ = ["ENTRIES", "default_tree", "load_config", "resolve_entry"]
 
@@ -45,23 +48,24 @@ T = TypeVar("T")
 ENTRIES: dict[str, str | None] = {"ppo_trainer": None, "ppo_megatron_trainer": "megatron"}
 _ABSENT = object()
 _MODEL_PATHS = ("actor_rollout_ref.model", "critic.model")
-# Keys of the megatron reference section that follow the actor's (same model, same layout).
+# Keys of the megatron reference section that follow the actor's (same model, same layout): verl's
+# list, then our packed-sequence keys.
 _REF_FOLLOWS_ACTOR = (
+    "param_offload",
     "tensor_model_parallel_size",
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "context_parallel_size",
-    "sequence_parallel",
-    "dynamic_context_parallel",
-    "max_seqlen_per_dp_cp_rank",
-    "packed_attention_backend",
+    "seed",
+    "override_transformer_config",
     "use_mbridge",
     "vanilla_mbridge",
     "use_remove_padding",
-    "seed",
-    "dtype",
+    "dynamic_context_parallel",
+    "max_seqlen_per_dp_cp_rank",
+    "packed_attention_backend",
 )
 
 
@@ -80,13 +84,20 @@ def default_tree(model_engine: str) -> DictConfig:
 
 @functools.cache
 def _built_tree(model_engine: str) -> bytes:
-    """The tree of ``model_engine``, pickled (unpickling is ~3x faster than a deep copy)."""
+    """The tree of ``model_engine``, pickled (unpickling is ~3x faster than a deep copy), cached on disk."""
+    return cached_bytes(f"ppo-{model_engine}", functools.partial(_build_tree, model_engine))
+
+
+def _build_tree(model_engine: str) -> bytes:
     with defaults_only():
         if model_engine == "megatron":
             root = TrainerConfig(
                 model_engine="megatron",
-                actor_rollout_ref=ActorRolloutRefConfig(actor=McoreActorConfig(), ref=McoreRefConfig()),
+                actor_rollout_ref=ActorRolloutRefConfig(
+                    actor=McoreActorConfig(), ref=McoreRefConfig(), rollout=McoreRolloutConfig()
+                ),
                 critic=McoreCriticConfig(),
+                reward_model=McoreRewardModelConfig(),
             )
             cfg = OmegaConf.structured(root)
             _select_megatron(cfg)
@@ -98,11 +109,9 @@ def _built_tree(model_engine: str) -> bytes:
 def _select_megatron(cfg: DictConfig) -> None:
     """Set every Megatron-specific default that is not a class default of the Megatron role sections."""
     arr = cfg.actor_rollout_ref
+    arr.model.use_remove_padding = False  # verl's megatron default (bshd); the unification flipped it
     for model in (arr.model, cfg.critic.model):
-        model.use_remove_padding = False  # verl's megatron default (bshd); the unification flipped it
         model.override_config = {"model_config": {}, "moe_config": {"freeze_moe_router": False}}
-    arr.rollout.layer_name_map = {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
-    arr.rollout.load_format = "dummy_megatron"
     arr.ref.megatron.forward_only = True  # the reference policy never trains: no DDP wrapper
     for key in _REF_FOLLOWS_ACTOR:
         arr.ref.megatron[key] = f"${{actor_rollout_ref.actor.megatron.{key}}}"
@@ -171,7 +180,7 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
         flat_given = {
             k
             for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
-            if model[k] is not None
+            if k in model and model[k] is not None
         }
         for flat_key, block_key in (
             ("lora_rank", "rank"),
@@ -228,21 +237,43 @@ def _show(value: Any) -> str:
 
 
 def _migrate_grad_clip(cfg: DictConfig, *, explicit: set[str]) -> None:
-    """verl's FSDP ``grad_clip`` is the legacy spelling of ``optim.clip_grad``."""
+    """verl's FSDP ``grad_clip`` is the legacy spelling of ``optim.clip_grad`` (both default to 1.0).
+
+    Only a value the user wrote is moved: the default of the legacy key must not overwrite a
+    ``clip_grad`` given in the canonical spelling.
+    """
     for role_path in ("actor_rollout_ref.actor", "critic"):
         role = OmegaConf.select(cfg, role_path)
-        if "grad_clip" not in role or role.grad_clip is None:
+        legacy = f"{role_path}.grad_clip"
+        if "grad_clip" not in role or legacy not in explicit or role.grad_clip is None:
             continue
         canonical = f"{role_path}.optim.clip_grad"
         if canonical in explicit and role.optim.clip_grad != role.grad_clip:
             raise ConfigValueError(
-                f"{role_path}.grad_clip",
+                legacy,
                 f"is {role.grad_clip} but {canonical} is {role.optim.clip_grad}: two spellings of one setting;"
                 f" keep {canonical} only",
             )
-        warn_once(f"{role_path}.grad_clip is deprecated; write {canonical}")
+        warn_once(f"{legacy} is deprecated; write {canonical}")
         role.optim.clip_grad = role.grad_clip
-        role.grad_clip = None
+
+
+def _migrate_warmup_style(cfg: DictConfig, *, explicit: set[str]) -> None:
+    """verl's FSDP ``optim.warmup_style`` is the deprecated spelling of ``optim.lr_scheduler_type``."""
+    for role_path in ("actor_rollout_ref.actor", "critic"):
+        optim = OmegaConf.select(cfg, f"{role_path}.optim")
+        if "warmup_style" not in optim or optim.warmup_style is None:
+            continue
+        legacy, canonical = f"{role_path}.optim.warmup_style", f"{role_path}.optim.lr_scheduler_type"
+        if canonical in explicit and optim.lr_scheduler_type != optim.warmup_style:
+            raise ConfigValueError(
+                legacy,
+                f"is {optim.warmup_style!r} but {canonical} is {optim.lr_scheduler_type!r}: two spellings of one"
+                f" setting; keep {canonical} only",
+            )
+        warn_once(f"{legacy} is deprecated; write {canonical}")
+        optim.lr_scheduler_type = optim.warmup_style
+        optim.warmup_style = None
 
 
 def load_config(
@@ -279,6 +310,7 @@ def load_config(
         explicit = explicit_keys(layer[1] if layer else None, parsed)
         _migrate_lora(cfg, engine=engine, explicit=explicit)
         _migrate_grad_clip(cfg, explicit=explicit)
+        _migrate_warmup_style(cfg, explicit=explicit)
     config, notes = build_typed(cfg, hint=hint)
     object.__setattr__(config, "_verl_config_notes", notes)
     return config

@@ -66,6 +66,7 @@ class McoreEngineConfig:
     use_distributed_optimizer: bool = True
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: str | None = None
+    dist_checkpointing_prefix: str = ""
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     packed_attention_backend: str = "auto"
@@ -126,11 +127,34 @@ class McoreEngineConfig:
         ):
             if key in tc:
                 check_choice(f"override_transformer_config.{key}", tc[key], allowed)
-        if tc.get("recompute_method") is not None and tc.get("recompute_granularity") != "full":
+        self._check_recompute(tc)
+
+    def _check_recompute(self, tc: dict[str, Any]) -> None:
+        """megatron-core's recompute rules, checked before a model is built.
+
+        Full recomputation needs a method and a layer count (TransformerConfig raises otherwise);
+        a method without full recomputation is accepted by megatron-core and verl but does nothing,
+        so it is a note.
+        """
+        granularity = tc.get("recompute_granularity")
+        if granularity == "full":
+            for key, example in (("recompute_method", "uniform"), ("recompute_num_layers", "1")):
+                if tc.get(key) is None:
+                    raise ConfigValueError(
+                        f"override_transformer_config.{key}",
+                        f"is null but override_transformer_config.recompute_granularity is 'full'; megatron-core"
+                        f" needs both: set +override_transformer_config.{key}={example}",
+                    )
+        elif granularity == "selective" and tc.get("recompute_num_layers") is not None:
             raise ConfigValueError(
+                "override_transformer_config.recompute_num_layers",
+                f"is {tc['recompute_num_layers']} but recompute_granularity is 'selective'; megatron-core requires it"
+                " null there (it counts layers of full recomputation): set it to null",
+            )
+        if granularity != "full" and tc.get("recompute_method") is not None and adjusting():
+            note(
                 "override_transformer_config.recompute_method",
-                f"is {tc['recompute_method']!r} but recompute_granularity is {tc.get('recompute_granularity')!r};"
-                " recompute_method only applies to recompute_granularity=full",
+                f"{tc['recompute_method']!r} has no effect: recompute_granularity is {granularity!r} (only 'full' uses it)",
             )
 
     def _check_dynamic_cp(self) -> None:
@@ -254,12 +278,21 @@ class FSDPEngineConfig:
     reshard_after_forward: bool = True
     fsdp_size: int = -1
     forward_prefetch: bool = False
-    strategy: str = "fsdp"
     model_dtype: str = "fp32"
+    use_orig_params: bool = False
+    seed: int = 42
+    full_determinism: bool = False
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    use_torch_compile: bool = True
+    entropy_checkpointing: bool = False
+    forward_only: bool = False
+    strategy: str = "fsdp"
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2"))
+        check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
         if self.fsdp_size != -1:
             check_positive("fsdp_size", self.fsdp_size)
         check_choice("model_dtype", self.model_dtype, ("fp32", "bf16", "fp16", *DTYPES))
@@ -271,14 +304,19 @@ class FSDPEngineConfig:
 
 
 def _check_optim_common(cfg: Any) -> None:
-    check_positive("lr", cfg.lr)
+    """Rules shared by both optimizers. verl accepts lr = 0 and any betas: those are warnings here."""
+    check_positive("lr", cfg.lr, allow_zero=True)
+    if cfg.lr == 0 and adjusting():
+        note("lr", "is 0: the optimizer will not change the weights")
     check_positive("weight_decay", cfg.weight_decay, allow_zero=True)
     check_positive("clip_grad", cfg.clip_grad)
-    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
-        raise ConfigValueError("betas", f"must be two numbers in [0, 1); got {list(cfg.betas)}")
+    if len(cfg.betas) != 2:
+        raise ConfigValueError("betas", f"must be two numbers (beta1, beta2); got {list(cfg.betas)}")
+    if not all(0.0 <= b < 1.0 for b in cfg.betas) and adjusting():
+        note("betas", f"{list(cfg.betas)} are outside [0, 1): Adam's moment estimates will not converge")
     if not 0.0 <= cfg.lr_warmup_steps_ratio <= 1.0:
         raise ConfigValueError("lr_warmup_steps_ratio", f"must be in [0, 1]; got {cfg.lr_warmup_steps_ratio}")
-    if cfg.lr_warmup_steps < -1:
+    if cfg.lr_warmup_steps is not None and cfg.lr_warmup_steps < -1:
         raise ConfigValueError(
             "lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}"
         )
@@ -286,23 +324,35 @@ def _check_optim_common(cfg: Any) -> None:
 
 @dataclass
 class FSDPOptimConfig:
-    """AdamW + warm-up / cosine schedule of the FSDP engine (verl's keys and defaults)."""
+    """A torch optimizer + warm-up / cosine schedule of the FSDP engine (verl's keys and defaults).
 
+    ``optimizer`` names a class of the module ``optimizer_impl`` (``AdamW`` of ``torch.optim`` by
+    default); ``override_optimizer_config`` holds extra keyword arguments for it. ``warmup_style``
+    is verl's deprecated spelling of ``lr_scheduler_type`` (null = not given; moved there with a
+    warning when the config is loaded).
+    """
+
+    optimizer: str = "AdamW"
+    optimizer_impl: str = "torch.optim"
     lr: float = 1e-6
-    lr_warmup_steps: int = -1
+    lr_warmup_steps: int | None = -1
     lr_warmup_steps_ratio: float = 0.0
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float | None = 0.0
     num_cycles: float = 0.5
-    warmup_style: str = "constant"
+    lr_scheduler_type: str = "constant"
+    warmup_style: str | None = None
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     clip_grad: float = 1.0
     total_training_steps: int = -1
+    override_optimizer_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_optim_common(self)
-        check_choice("warmup_style", self.warmup_style, ("constant", "cosine"))
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, ("constant", "cosine"))
+        if self.warmup_style is not None:
+            check_choice("warmup_style", self.warmup_style, ("constant", "cosine"))
+        if self.min_lr_ratio is not None and not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigValueError("min_lr_ratio", f"must be in [0, 1]; got {self.min_lr_ratio}")
 
 
@@ -312,7 +362,7 @@ class McoreOptimConfig:
 
     optimizer: str = "adam"
     lr: float = 1e-6
-    lr_warmup_steps: int = -1
+    lr_warmup_steps: int | None = -1
     lr_warmup_steps_ratio: float = 0.0
     lr_warmup_init: float = 0.0
     lr_decay_steps: int | None = None
@@ -326,11 +376,16 @@ class McoreOptimConfig:
     clip_grad: float = 1.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     total_training_steps: int = -1
-    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
+    override_optimizer_config: dict[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_optim_common(self)
-        check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        if self.optimizer not in ("adam", "sgd") and adjusting():
+            note(
+                "optimizer",
+                f"{self.optimizer!r} is not one of megatron-core 0.14's ('adam', 'sgd'); newer releases"
+                " may provide it",
+            )
         check_choice(
             "lr_decay_style",
             self.lr_decay_style,
@@ -340,8 +395,10 @@ class McoreOptimConfig:
             "weight_decay_incr_style", self.weight_decay_incr_style, ("constant", "linear", "cosine")
         )
         check_positive("min_lr", self.min_lr, allow_zero=True)
-        if self.min_lr > self.lr:
-            raise ConfigValueError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.min_lr > self.lr and adjusting():
+            note(
+                "min_lr", f"({self.min_lr}) exceeds lr ({self.lr}): the schedule will raise the learning rate"
+            )
 
     def optimizer_config_kwargs(self, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
         """Keyword arguments for megatron-core's ``OptimizerConfig`` (override_optimizer_config last)."""
@@ -358,5 +415,5 @@ class McoreOptimConfig:
             "params_dtype": dtype,
             "use_distributed_optimizer": use_distributed_optimizer,
         }
-        kwargs.update(self.override_optimizer_config)
+        kwargs.update(self.override_optimizer_config or {})
         return kwargs

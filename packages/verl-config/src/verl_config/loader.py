@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf import errors as oc_errors
 
 from verl_config.errors import ConfigKeyError, ConfigTypeError, ConfigValueError
-from verl_config.notes import ConfigNote
+from verl_config.notes import ConfigNote, defaults_only
 from verl_config.overrides import Override, format_value, parse_override
 
 __all__ = [
@@ -166,9 +166,11 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
         with open_dict(parent):
             del parent[leaf]
         return
-    # verl's documented command lines add keys such as override_transformer_config.recompute_method with
-    # '+' although its default (null) is present: accept '+' on a null placeholder of an open dict.
-    if ov.kind == "add" and exists and not (not closed and parent[leaf] is None):
+    # verl's command lines add keys with '+' that verl's yaml lacks but this schema declares
+    # (override_transformer_config.recompute_method, data.gen_batch_size, algorithm.filter_groups.*):
+    # '+' on a key that still holds its declared default sets it; '+' on a key that was already given
+    # a value is a mistake (Hydra refuses '+' on an existing key too).
+    if ov.kind == "add" and exists and not _holds_default(parent, leaf):
         raise ConfigKeyError(
             f"override {ov.text!r}: '{ov.key}' already exists; use {ov.key}=VALUE to change it (or ++{ov.key}=VALUE)"
         )
@@ -184,14 +186,49 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
             parent[leaf] = ov.value
 
 
+def _holds_default(parent: DictConfig, leaf: str) -> bool:
+    """True when ``parent[leaf]`` is null or, in a typed section, equal to its field's declared default."""
+    value = parent._get_node(leaf)
+    if value is None or value._is_none():
+        return True
+    cls = OmegaConf.get_type(parent)
+    if not dataclasses.is_dataclass(cls):
+        return False
+    spec = next((f for f in dataclasses.fields(cls) if f.name == leaf), None)
+    if spec is None:
+        return False
+    if spec.default is not dataclasses.MISSING:
+        default = spec.default
+    elif spec.default_factory is not dataclasses.MISSING:
+        with defaults_only():
+            default = spec.default_factory()
+    else:
+        return False
+    current = (
+        value._value() if not isinstance(value, DictConfig | ListConfig) else OmegaConf.to_container(value)
+    )
+    if dataclasses.is_dataclass(default):
+        return isinstance(value, DictConfig) and current == OmegaConf.to_container(
+            OmegaConf.structured(default)
+        )
+    return bool(current == default)
+
+
 def _create_in_open_dict(cfg: DictConfig, parent_key: str, ov: Override, hint: KeyHint | None) -> DictConfig:
     """Create missing intermediate dicts, but only below an existing open dict."""
     parts = parent_key.split(".")
     node: Any = cfg
     for part in parts:
         if isinstance(node, DictConfig) and part in node:
-            if node[part] is None:  # e.g. an optional dict field that is null: start it empty
-                node[part] = {}
+            if (
+                node[part] is None
+            ):  # an optional field that is null: start it empty, or at its section's defaults
+                section = node._get_node(part)._metadata.ref_type
+                if dataclasses.is_dataclass(section):
+                    with defaults_only():
+                        node[part] = section()
+                else:
+                    node[part] = {}
             node = node[part]
             continue
         if not isinstance(node, DictConfig) or _is_schema_node(node):

@@ -133,13 +133,18 @@ class LoraConfig:
     dropout_position: str = "pre"
     lora_A_init_method: str = "xavier"
     lora_B_init_method: str = "zero"
+    a2a_experimental: bool = False
     dtype: str | None = None
     adapter_path: str | None = None
+    freeze_vision_model: bool = True
+    freeze_vision_projection: bool = True
+    freeze_language_model: bool = True
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, ("lora", "canonical_lora", "dora"))
         check_positive("rank", self.rank, allow_zero=True)
-        check_positive("alpha", self.alpha)
+        if self.rank > 0:  # alpha only scales adapters that exist; with LoRA off any value is accepted
+            check_positive("alpha", self.alpha)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigValueError("dropout", f"must be in [0, 1); got {self.dropout}")
         check_choice("dropout_position", self.dropout_position, ("pre", "post"))

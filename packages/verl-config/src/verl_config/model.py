@@ -1,0 +1,149 @@
+"""Model sections: ``actor_rollout_ref.model`` (with MTP) and ``critic.model`` per engine.
+
+``lora`` is the canonical LoRA spelling on every model section (verl's dataclasses carry it on
+both engines). The flat keys ``lora_rank`` / ``lora_alpha`` / ``target_modules`` /
+``exclude_modules`` exist where verl's generated configs have them; here null means "not given",
+and a given value is moved into ``lora`` with a warning when the config is loaded
+(:mod:`verl_config.compose`), so there is one source of truth for the adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_config.engines import FSDPEngineConfig
+from verl_config.errors import ConfigValueError
+from verl_config.lora import LoraConfig
+from verl_config.validation import check_choice, check_positive
+
+__all__ = [
+    "BaseModelConfig",
+    "FSDPCriticModelConfig",
+    "McoreCriticModelConfig",
+    "ModelConfig",
+    "MtpConfig",
+    "TiledMLPConfig",
+]
+
+
+@dataclass
+class MtpConfig:
+    """Multi-token prediction (``actor_rollout_ref.model.mtp``): train the MTP heads, use them as drafts.
+
+    ``enable`` says the model's MTP layers are built; ``enable_train`` adds their loss (scaled by
+    ``mtp_loss_scaling_factor``) to the policy loss; ``enable_rollout`` uses them for speculative
+    decoding. Training or rollout use without ``enable`` would silently do nothing, so it is an error.
+    """
+
+    enable: bool = False
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = 2
+    speculative_eagle_topk: int = 2
+    speculative_num_draft_tokens: int = 4
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("enable_train", "enable_rollout"):
+            if getattr(self, key) is True and self.enable is False:
+                raise ConfigValueError(
+                    key,
+                    "is true but enable is false; the MTP layers are only built with enable=true: set"
+                    " mtp.enable=true (the model must have MTP layers) or set the flag to false",
+                )
+        check_positive("mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, allow_zero=True)
+        for key in (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "num_speculative_tokens",
+        ):
+            check_positive(key, getattr(self, key))
+
+
+@dataclass
+class TiledMLPConfig:
+    """Memory-efficient tiled MLP of the FSDP engine (``model.tiled_mlp``)."""
+
+    enabled: bool = False
+    num_shards: int = 4
+
+    def __post_init__(self) -> None:
+        check_positive("num_shards", self.num_shards)
+
+
+@dataclass
+class BaseModelConfig:
+    """Keys every model section has: where the model is and how to load it."""
+
+    path: str = "~/models/deepseek-llm-7b-chat"
+    tokenizer_path: str | None = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    external_lib: str | None = None
+    trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    """The Hugging Face model of actor / rollout / ref (``actor_rollout_ref.model``)."""
+
+    hf_config_path: str | None = None
+    use_shm: bool = False
+    custom_chat_template: str | None = None
+    enable_gradient_checkpointing: bool = True
+    enable_activation_offload: bool = False
+    use_remove_padding: bool = True
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    target_modules: Any = None
+    exclude_modules: Any = None
+    lora_adapter_path: str | None = None
+    use_liger: bool = False
+    use_fused_kernels: bool = False
+    fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    mtp: MtpConfig = field(default_factory=MtpConfig)
+
+    def __post_init__(self) -> None:
+        impl = (
+            self.fused_kernel_options.get("impl_backend")
+            if isinstance(self.fused_kernel_options, dict)
+            else None
+        )
+        if impl is not None:
+            check_choice("fused_kernel_options.impl_backend", impl, ("torch", "triton"))
+
+
+@dataclass
+class FSDPCriticModelConfig(BaseModelConfig):
+    """The critic's model with the FSDP engine (``critic.model``, holding ``fsdp_config``)."""
+
+    path: str = "${actor_rollout_ref.model.path}"
+    tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
+    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
+    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
+    fsdp_config: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
+    use_shm: bool = False
+    enable_gradient_checkpointing: bool = True
+    enable_activation_offload: bool = False
+    use_remove_padding: bool = False
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    target_modules: Any = None
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+
+
+@dataclass
+class McoreCriticModelConfig(BaseModelConfig):
+    """The critic's model with the Megatron engine (``critic.model``)."""
+
+    path: str = "${actor_rollout_ref.model.path}"
+    tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
+    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
+    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]

@@ -1,0 +1,248 @@
+"""The rollout section (``actor_rollout_ref.rollout``): generation engine settings, verl's keys and defaults.
+
+The engine itself (vLLM, SGLang, TensorRT-LLM) is not ours; the section is typed so that every
+key a verl command line sets is accepted with its type checked, and verl's own rules (no
+``sync`` mode, expert parallel = TP x DP, no pipeline parallel in the serving engines) fail here
+with the keys named instead of at rollout start-up on a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_config.errors import ConfigValueError
+from verl_config.profiler import ProfilerConfig
+from verl_config.validation import check_choice, check_positive
+
+__all__ = [
+    "ROLLOUT_NAMES",
+    "AgentLoopConfig",
+    "CheckpointEngineConfig",
+    "FSDPRolloutConfig",
+    "McoreRolloutConfig",
+    "MultiTurnConfig",
+    "PrometheusConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TraceConfig",
+]
+
+# verl's rollout registry (verl/workers/rollout/base.py): the engines a rollout can be served by.
+ROLLOUT_NAMES = ("vllm", "sglang", "trtllm")
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters for validation generations (``rollout.val_kwargs``)."""
+
+    top_k: int = -1
+    top_p: float = 1.0
+    temperature: float = 0.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn / tool-calling rollouts (``rollout.multi_turn``)."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None
+    tool_config_path: str | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    interaction_config_path: str | None = None
+    use_inference_chat_template: bool = False
+    tokenization_sanity_check_mode: str = "strict"
+    format: str = "hermes"
+    num_repeat_rollouts: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "tool_response_truncate_side", self.tool_response_truncate_side, ("left", "right", "middle")
+        )
+        check_choice(
+            "tokenization_sanity_check_mode",
+            self.tokenization_sanity_check_mode,
+            ("disable", "strict", "ignore_strippable"),
+        )
+
+
+@dataclass
+class AgentLoopConfig:
+    """Agent loop workers (``rollout.agent``)."""
+
+    num_workers: int = 8
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: str | None = None
+    custom_async_server: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
+
+    def __post_init__(self) -> None:
+        check_positive("num_workers", self.num_workers)
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """How trained weights reach the rollout engine (``rollout.checkpoint_engine``)."""
+
+    backend: str | None = "naive"
+    update_weights_bucket_megabytes: int = 2048
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_positive("update_weights_bucket_megabytes", self.update_weights_bucket_megabytes)
+
+
+@dataclass
+class TraceConfig:
+    """Rollout tracing (``rollout.trace``)."""
+
+    backend: str | None = None
+    token2text: bool = False
+    max_samples_per_step_per_worker: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_samples_per_step_per_worker is not None:
+            check_positive(
+                "max_samples_per_step_per_worker", self.max_samples_per_step_per_worker, allow_zero=True
+            )
+
+
+@dataclass
+class PrometheusConfig:
+    """Serving metrics (``rollout.prometheus``)."""
+
+    enable: bool = False
+    port: int = 9090
+    file: str = "/tmp/ray/session_latest/metrics/prometheus/prometheus.yml"
+    served_model_name: str | None = "${actor_rollout_ref.model.path}"
+
+
+def _rollout_profiler() -> ProfilerConfig:
+    """The rollout's profiler block follows the actor's (verl's default)."""
+    actor = "actor_rollout_ref.actor.profiler"
+    return ProfilerConfig(
+        enable=f"${{{actor}.enable}}",  # type: ignore[arg-type]
+        all_ranks=f"${{{actor}.all_ranks}}",  # type: ignore[arg-type]
+        ranks=f"${{{actor}.ranks}}",  # type: ignore[arg-type]
+        tool_config=f"${{{actor}.tool_config}}",  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class RolloutConfig:
+    """Generation engine settings common to both training engines."""
+
+    name: str | None = "vllm"
+    mode: str = "async"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
+    response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    ignore_eos: bool = False
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    free_cache_engine: bool = True
+    tensor_model_parallel_size: int = 2
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    logprobs_mode: str | None = "processed_logprobs"
+    scheduling_policy: str | None = "fcfs"
+    load_format: str = "dummy"
+    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    disable_log_stats: bool = True
+    do_sample: bool = True
+    n: int = 1
+    over_sample_rate: float = 0.0
+    multi_stage_wake_up: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}})
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    calculate_log_probs: bool = False
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    skip_rollout: bool = False
+    skip_dump_dir: str = "/tmp/rollout_dump"
+    skip_tokenizer_init: bool = True
+    enable_rollout_routing_replay: bool = False
+    profiler: ProfilerConfig | None = field(default_factory=_rollout_profiler)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    quantization: str | None = None
+    quantization_config_file: str | None = None
+    mtp: Any = "${actor_rollout_ref.model.mtp}"
+
+    def __post_init__(self) -> None:
+        if self.name is not None:  # null is accepted as by verl; a rollout needs a name to start
+            check_choice("name", self.name, ROLLOUT_NAMES)
+        if self.mode == "sync":
+            raise ConfigValueError(
+                "mode",
+                "'sync' was removed from verl (only async rollouts exist); set mode=async or remove the key",
+            )
+        check_choice("mode", self.mode, ("async",))
+        check_positive("n", self.n)
+        for key in (
+            "tensor_model_parallel_size",
+            "data_parallel_size",
+            "expert_parallel_size",
+            "pipeline_model_parallel_size",
+        ):
+            check_positive(key, getattr(self, key))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigValueError(
+                "gpu_memory_utilization", f"must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.logprobs_mode is not None:
+            check_choice(
+                "logprobs_mode",
+                self.logprobs_mode,
+                ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"),
+            )
+        if self.expert_parallel_size > 1:
+            expected = self.tensor_model_parallel_size * self.data_parallel_size
+            if self.expert_parallel_size != expected:
+                raise ConfigValueError(
+                    "expert_parallel_size",
+                    f"({self.expert_parallel_size}) must equal tensor_model_parallel_size"
+                    f" ({self.tensor_model_parallel_size}) x data_parallel_size ({self.data_parallel_size}) = {expected}"
+                    " (the serving engine spreads experts over its TP x DP ranks)",
+                )
+        if self.pipeline_model_parallel_size > 1:
+            raise ConfigValueError(
+                "pipeline_model_parallel_size",
+                f"is {self.pipeline_model_parallel_size} but rollout {self.name!r} has no pipeline parallel in verl;"
+                " use tensor_model_parallel_size / data_parallel_size instead",
+            )
+
+
+@dataclass
+class FSDPRolloutConfig(RolloutConfig):
+    """Rollout with the FSDP engine: layered summon of the full weights for weight sync."""
+
+    layered_summon: bool = False
+
+
+@dataclass
+class McoreRolloutConfig(RolloutConfig):
+    """Rollout with the Megatron engine: names of the fused layers on the rollout side (qkv, gate_up)."""
+
+    layer_name_map: dict[str, Any] = field(
+        default_factory=lambda: {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
+    )

@@ -1,0 +1,343 @@
+"""Key-by-key comparison of our schema with verl's own configuration, and the short list of differences we keep.
+
+verl-config promises that a verl launch command means the same here. That promise is checked
+mechanically against a pinned verl commit (:data:`VERL_REFERENCE_COMMIT`): verl's generated full
+configs (``_generated_ppo_trainer.yaml`` / ``_generated_ppo_megatron_trainer.yaml``) give every
+key and default, and verl's config dataclasses (read from its source by
+``scripts/refresh_verl_reference.py``) give the types. :func:`compare_with_verl` lists every
+mismatch; a test requires each one to be covered by a row of :data:`INTENTIONAL_DIFFERENCES`, and
+each row to still be needed. Following a newer verl is then: refresh the data, run the test, fix
+or document what it lists.
+
+Rules of the comparison:
+- a verl key missing from our tree is always an error (never excusable);
+- defaults compare equal after normalising interpolations (``${oc.select:a.b,1}`` and ``${a.b}``
+  both mean "follows a.b"; relative ``${.x}`` is made absolute);
+- types: every kind of value verl's annotation admits (int, float, str, bool, list, dict, None) must
+  be admitted by ours (an int where verl has float is not; a float where verl has int is);
+- a key of ours that verl's yaml lacks is fine when it is a field of verl's dataclass for that
+  section (set by verl at run time, e.g. ``megatron.use_dynamic_bsz``); otherwise it must be listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "INTENTIONAL_DIFFERENCES",
+    "VERL_REFERENCE_COMMIT",
+    "Difference",
+    "Mismatch",
+    "annotation_kinds",
+    "compare_with_verl",
+    "differences_markdown",
+    "normalize_default",
+    "unexplained",
+]
+
+VERL_REFERENCE_COMMIT = (
+    "b178a3cd56f58b2d502255daba591e92833930a7"  # volcengine/verl main, 2026-01-29 (after v0.7.0)
+)
+
+MISMATCH_KINDS = ("missing", "ours_only", "default", "type")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One documented difference from verl: which keys (fnmatch patterns), what kind, on which engines, why."""
+
+    keys: tuple[str, ...]
+    kind: str
+    reason: str
+    engines: tuple[str, ...] = ("fsdp", "megatron")
+
+    def covers(self, mismatch: Mismatch) -> bool:
+        return (
+            mismatch.kind == self.kind
+            and mismatch.engine in self.engines
+            and any(fnmatch.fnmatchcase(mismatch.key, pattern) for pattern in self.keys)
+        )
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A place where our default tree and verl's differ."""
+
+    kind: str
+    engine: str
+    key: str
+    verl: Any = None
+    ours: Any = None
+
+    def __str__(self) -> str:
+        return f"[{self.engine}] {self.kind} {self.key}: verl={self.verl!r} ours={self.ours!r}"
+
+
+_PACKED_KEYS = (
+    "dynamic_context_parallel",
+    "max_seqlen_per_dp_cp_rank",
+    "packed_attention_backend",
+    "use_megatron_fsdp",
+)
+
+# The whole list of intentional differences from verl (README "Differences from verl" renders it).
+INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        keys=("model_engine",),
+        kind="ours_only",
+        reason="the one switch between the FSDP and Megatron sections; verl picks them with --config-name"
+        " (ppo_megatron_trainer is accepted here as an alias).",
+    ),
+    Difference(
+        keys=tuple(f"*.megatron.{k}" for k in _PACKED_KEYS),
+        kind="ours_only",
+        engines=("megatron",),
+        reason="dynamic context parallelism on packed sequences (verl-dyncp) and Megatron-FSDP (verl-mfsdp),"
+        " which verl's Megatron engine does not have; all default to off.",
+    ),
+    Difference(
+        keys=("trainer.val_only", "trainer.validation_data_dir"),
+        kind="ours_only",
+        engines=("megatron",),
+        reason="verl's ppo_trainer has them and its ppo_megatron_trainer does not; the trainer section here is"
+        " one for both engines.",
+    ),
+    Difference(
+        keys=("reward_model.reward_kwargs", "data.gen_batch_size", "trainer.remove_previous_ckpt_in_save"),
+        kind="ours_only",
+        reason="verl reads them with .get() and its yaml lacks them (scripts add them with '+'; DAPO's overlong"
+        " buffer lives in reward_kwargs); declared here so they are typed and '+' works as in verl.",
+    ),
+    Difference(
+        keys=("*.model.lora_rank", "*.model.lora_alpha", "*.model.target_modules"),
+        kind="default",
+        reason="deprecated flat LoRA keys: null means 'not given'; a given value moves into the canonical"
+        " model.lora block (one source of truth, alpha 32 for both engines, see LoRA below).",
+    ),
+    Difference(
+        keys=("actor_rollout_ref.rollout.name", "reward_model.rollout.name"),
+        kind="default",
+        reason="verl leaves it mandatory (???); here it defaults to vllm so that a config without a rollout"
+        " (engine-only use, SFT, tests) loads. Any value verl accepts is accepted.",
+    ),
+    Difference(
+        keys=("critic.model.path",),
+        kind="default",
+        reason="follows actor_rollout_ref.model.path (verl's literal default points the critic at a model the"
+        " user never named when only the actor's path is set; its tokenizer_path already follows the actor).",
+    ),
+    Difference(
+        keys=("critic.ppo_micro_batch_size_per_gpu",),
+        kind="default",
+        reason="null instead of following critic.ppo_micro_batch_size: in verl, setting the deprecated global"
+        " key also sets the per-GPU one and then trips verl's own 'both are set' check.",
+    ),
+)
+
+_OC_SELECT = re.compile(r"\$\{oc\.select:\s*([^,}]+?)\s*(?:,(?:\{\}|\[\]|[^}])*)?\}")
+_INTERP = re.compile(r"\$\{(\.+)([^}]*)\}")
+
+
+def normalize_default(value: Any, *, key: str) -> Any:
+    """A default as a comparable value: interpolations become absolute ``${path}``, tuples lists."""
+    if isinstance(value, tuple):
+        return [normalize_default(v, key=key) for v in value]
+    if isinstance(value, list):
+        return [normalize_default(v, key=key) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+    text = _OC_SELECT.sub(lambda m: "${" + m.group(1) + "}", value)
+    parent = key.split(".")[:-1]
+
+    def absolute(m: re.Match[str]) -> str:
+        up = len(m.group(1)) - 1
+        base = parent[: len(parent) - up] if up else parent
+        return "${" + ".".join([*base, m.group(2)]) + "}"
+
+    return _INTERP.sub(absolute, text)
+
+
+def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, Mapping) and tree:
+        for k, v in tree.items():
+            if k == "_target_":
+                continue
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif prefix:
+        yield prefix, tree
+
+
+def _sections(tree: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(tree, Mapping):
+        if prefix:
+            yield prefix
+        for k, v in tree.items():
+            yield from _sections(v, f"{prefix}.{k}" if prefix else str(k))
+
+
+_SCALAR_KINDS = {"int": "int", "float": "float", "str": "str", "bool": "bool"}
+_LIST_NAMES = {"list", "List", "tuple", "Tuple", "Sequence", "set", "Set"}
+_DICT_NAMES = {"dict", "Dict", "Mapping", "MutableMapping"}
+
+
+def annotation_kinds(annotation: str) -> frozenset[str] | None:
+    """The kinds of value an annotation admits (int/float/str/bool/list/dict/none); None for Any."""
+    return _kinds(ast.parse(annotation, mode="eval").body)
+
+
+def _name(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return ""
+
+
+def _union(parts: list[frozenset[str] | None]) -> frozenset[str] | None:
+    if any(p is None for p in parts):
+        return None
+    return frozenset().union(*parts)  # type: ignore[arg-type]
+
+
+def _kinds(node: ast.expr) -> frozenset[str] | None:
+    if isinstance(node, ast.Constant) and node.value is None:
+        return frozenset({"none"})
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _union([_kinds(node.left), _kinds(node.right)])
+    if isinstance(node, ast.Subscript):
+        base = _name(node.value)
+        args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if base == "Optional":
+            return _union([_kinds(args[0]), frozenset({"none"})])
+        if base == "Union":
+            return _union([_kinds(a) for a in args])
+        if base in _LIST_NAMES:
+            return frozenset({"list"})
+        if base in _DICT_NAMES:
+            return frozenset({"dict"})
+        return None
+    name = _name(node)
+    if name == "Any" or not name:
+        return None
+    if name == "None":
+        return frozenset({"none"})
+    if name in _SCALAR_KINDS:
+        return frozenset({_SCALAR_KINDS[name]})
+    if name in _LIST_NAMES:
+        return frozenset({"list"})
+    return frozenset({"dict"})  # dict itself or a config class (a section)
+
+
+def _admits(ours: frozenset[str] | None, verl: frozenset[str] | None) -> bool:
+    if ours is None or verl is None:
+        return True
+    return all(k in ours or (k == "int" and "float" in ours) for k in verl)
+
+
+def _our_field_types(tree: DictConfig, section: str) -> dict[str, str]:
+    node = OmegaConf.select(tree, section) if section else tree
+    if not isinstance(node, DictConfig):
+        return {}
+    cls = OmegaConf.get_type(node)
+    if cls is None or not is_dataclass(cls):
+        return {}
+    return {
+        f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        for f in fields(cls)
+    }
+
+
+def compare_with_verl(
+    *,
+    engine: str,
+    verl_tree: Mapping[str, Any],
+    ours: DictConfig,
+    targets: Mapping[str, Mapping[str, Any]],
+    classes: Mapping[str, Mapping[str, Any]],
+) -> list[Mismatch]:
+    """Every mismatch between verl's generated config (``verl_tree``) and our default tree ``ours``.
+
+    ``targets`` maps a section path of verl's yaml to its dataclass (``class_key``); ``classes``
+    holds verl's dataclass fields (both from the stored reference data).
+    """
+    verl_leaves = dict(_leaves(verl_tree))
+    our_leaves = dict(_leaves(OmegaConf.to_container(ours, resolve=False)))
+    out: list[Mismatch] = []
+    for key, value in verl_leaves.items():
+        if key not in our_leaves:
+            # a verl leaf may be a section of ours holding the same default (an empty dict vs. a typed block)
+            if not any(k.startswith(key + ".") for k in our_leaves):
+                out.append(Mismatch("missing", engine, key, verl=value))
+            continue
+        want, have = normalize_default(value, key=key), normalize_default(our_leaves[key], key=key)
+        if want != have:
+            out.append(Mismatch("default", engine, key, verl=value, ours=our_leaves[key]))
+    verl_sections = set(_sections(verl_tree))
+    for key, value in our_leaves.items():
+        if key in verl_leaves or any(key.startswith(s + ".") and s in verl_leaves for s in _prefixes(key)):
+            continue
+        if not _dataclass_only(key, targets, classes):
+            out.append(Mismatch("ours_only", engine, key, ours=value))
+    for section, info in targets.items():
+        cls = classes.get(info.get("class_key") or "")
+        if cls is None or section not in verl_sections:
+            continue
+        our_types = _our_field_types(ours, section)
+        for name, spec in cls["fields"].items():
+            if spec.get("private") or name not in our_types:
+                continue
+            verl_kinds, our_kinds = annotation_kinds(spec["annotation"]), annotation_kinds(our_types[name])
+            if not _admits(our_kinds, verl_kinds):
+                out.append(
+                    Mismatch(
+                        "type", engine, f"{section}.{name}", verl=spec["annotation"], ours=our_types[name]
+                    )
+                )
+    return out
+
+
+def _prefixes(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _dataclass_only(
+    key: str, targets: Mapping[str, Mapping[str, Any]], classes: Mapping[str, Mapping[str, Any]]
+) -> bool:
+    """True when ``key`` falls under a field of verl's dataclass for its nearest targeted section."""
+    for section in reversed(_prefixes(key)):
+        info = targets.get(section)
+        if info is None:
+            continue
+        cls = classes.get(info.get("class_key") or "")
+        if cls is None:
+            return False
+        first = key[len(section) + 1 :].split(".")[0]
+        return first in cls["fields"]
+    return False
+
+
+def unexplained(mismatches: list[Mismatch]) -> list[Mismatch]:
+    """The mismatches no row of :data:`INTENTIONAL_DIFFERENCES` covers (``missing`` ones never are)."""
+    return [
+        m for m in mismatches if m.kind == "missing" or not any(d.covers(m) for d in INTENTIONAL_DIFFERENCES)
+    ]
+
+
+def differences_markdown() -> str:
+    """:data:`INTENTIONAL_DIFFERENCES` as the Markdown table the README shows (a test keeps them equal)."""
+    kinds = {"ours_only": "only here", "default": "other default", "type": "other type"}
+    lines = ["| key(s) | engines | kind | why |", "|---|---|---|---|"]
+    for row in INTENTIONAL_DIFFERENCES:
+        keys = ", ".join(f"`{k}`" for k in row.keys)
+        lines.append(f"| {keys} | {' / '.join(row.engines)} | {kinds[row.kind]} | {row.reason} |")
+    return "\n".join(lines) + "\n"
