@@ -17,9 +17,13 @@ from verl_config.validation import check_choice, check_positive
 __all__ = [
     "CustomRewardFunctionConfig",
     "FSDPRewardModelConfig",
+    "FSDPRewardModelModelConfig",
+    "McoreRewardEngineConfig",
     "McoreRewardModelConfig",
+    "RewardFSDPConfig",
     "RewardManagerConfig",
     "RewardModelConfig",
+    "RewardModelModelConfig",
     "RewardRolloutConfig",
     "SandboxFusionConfig",
 ]
@@ -100,6 +104,77 @@ class RewardRolloutConfig:
             check_positive(key, getattr(self, key))
 
 
+@dataclass
+class RewardModelModelConfig:
+    """The reward model itself (``reward_model.model``)."""
+
+    input_tokenizer: str | None = "${actor_rollout_ref.model.path}"
+    path: str = "~/models/FsfairX-LLaMA3-RM-v0.1"
+    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardFSDPConfig:
+    """FSDP wrapping of a reward model (``reward_model.model.fsdp_config``; forward only, no optimizer)."""
+
+    wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
+    param_offload: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    forward_prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fsdp_size != -1:
+            check_positive("fsdp_size", self.fsdp_size)
+
+
+@dataclass
+class FSDPRewardModelModelConfig(RewardModelModelConfig):
+    use_shm: bool = False
+    use_remove_padding: bool = False
+    use_fused_kernels: bool = "${actor_rollout_ref.model.use_fused_kernels}"  # type: ignore[assignment]
+    fsdp_config: RewardFSDPConfig = field(default_factory=RewardFSDPConfig)
+
+
+_ACTOR_MCORE = "actor_rollout_ref.actor.megatron"
+
+
+@dataclass
+class McoreRewardEngineConfig:
+    """Megatron layout of a reward model (``reward_model.megatron``; forward only, no optimizer state)."""
+
+    param_offload: bool = False
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = True
+    use_distributed_optimizer: bool = False
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+    dist_checkpointing_prefix: str = ""
+    seed: int = f"${{{_ACTOR_MCORE}.seed}}"  # type: ignore[assignment]
+    override_transformer_config: dict[str, Any] = f"${{{_ACTOR_MCORE}.override_transformer_config}}"  # type: ignore[assignment]
+    use_mbridge: bool = f"${{{_ACTOR_MCORE}.use_mbridge}}"  # type: ignore[assignment]
+    vanilla_mbridge: bool = f"${{{_ACTOR_MCORE}.vanilla_mbridge}}"  # type: ignore[assignment]
+    use_remove_padding: bool = f"${{{_ACTOR_MCORE}.use_remove_padding}}"  # type: ignore[assignment]
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for key in (
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
+            check_positive(key, getattr(self, key))
+        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
 def _reward_profiler() -> ProfilerConfig:
     return ProfilerConfig(tool_config="${actor_rollout_ref.actor.profiler.tool_config}")  # type: ignore[arg-type]
 
@@ -113,12 +188,12 @@ class RewardModelConfig:
     n_gpus_per_node: int = 8
     nnodes: int = 0
     strategy: str = "fsdp"
-    model: dict[str, Any] = field(default_factory=dict)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size: int | None = None
     micro_batch_size_per_gpu: int | None = None
     max_length: int | None = None
     use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # type: ignore[assignment]
-    forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
+    forward_max_token_len_per_gpu: int | None = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
     reward_manager: str = "naive"
     reward_loop_source: str = "register"
     reward_loop_module_path: str | None = None
@@ -156,66 +231,12 @@ class RewardModelConfig:
                 )
 
 
-def _fsdp_reward_model() -> dict[str, Any]:
-    return {
-        "input_tokenizer": "${actor_rollout_ref.model.path}",
-        "path": "~/models/FsfairX-LLaMA3-RM-v0.1",
-        "external_lib": "${actor_rollout_ref.model.external_lib}",
-        "trust_remote_code": False,
-        "override_config": {},
-        "use_shm": False,
-        "use_remove_padding": False,
-        "use_fused_kernels": "${actor_rollout_ref.model.use_fused_kernels}",
-        "fsdp_config": {
-            "wrap_policy": {"min_num_params": 0},
-            "param_offload": False,
-            "reshard_after_forward": True,
-            "fsdp_size": -1,
-            "forward_prefetch": False,
-        },
-    }
-
-
-def _mcore_reward_model() -> dict[str, Any]:
-    return {
-        "input_tokenizer": "${actor_rollout_ref.model.path}",
-        "path": "~/models/FsfairX-LLaMA3-RM-v0.1",
-        "external_lib": "${actor_rollout_ref.model.external_lib}",
-        "trust_remote_code": False,
-        "override_config": {},
-    }
-
-
-def _mcore_reward_engine() -> dict[str, Any]:
-    actor = "actor_rollout_ref.actor.megatron"
-    return {
-        "param_offload": False,
-        "tensor_model_parallel_size": 1,
-        "expert_model_parallel_size": 1,
-        "expert_tensor_parallel_size": None,
-        "pipeline_model_parallel_size": 1,
-        "virtual_pipeline_model_parallel_size": None,
-        "context_parallel_size": 1,
-        "sequence_parallel": True,
-        "use_distributed_optimizer": False,
-        "use_dist_checkpointing": False,
-        "dist_checkpointing_path": None,
-        "dist_checkpointing_prefix": "",
-        "seed": f"${{{actor}.seed}}",
-        "override_transformer_config": f"${{{actor}.override_transformer_config}}",
-        "use_mbridge": f"${{{actor}.use_mbridge}}",
-        "vanilla_mbridge": f"${{{actor}.vanilla_mbridge}}",
-        "use_remove_padding": f"${{{actor}.use_remove_padding}}",
-        "dtype": "bfloat16",
-    }
-
-
 @dataclass
 class FSDPRewardModelConfig(RewardModelConfig):
     """A reward model on the FSDP engine."""
 
     strategy: str = "fsdp"
-    model: dict[str, Any] = field(default_factory=_fsdp_reward_model)
+    model: FSDPRewardModelModelConfig = field(default_factory=FSDPRewardModelModelConfig)
     ulysses_sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -229,9 +250,9 @@ class McoreRewardModelConfig(RewardModelConfig):
     """A reward model on the Megatron engine (its parallel layout in ``megatron``)."""
 
     strategy: str = "megatron"
-    model: dict[str, Any] = field(default_factory=_mcore_reward_model)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     nccl_timeout: int = 600
-    megatron: dict[str, Any] = field(default_factory=_mcore_reward_engine)
+    megatron: McoreRewardEngineConfig = field(default_factory=McoreRewardEngineConfig)
     load_weight: bool = True
 
     def __post_init__(self) -> None:
