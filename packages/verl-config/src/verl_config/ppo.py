@@ -99,7 +99,13 @@ _GROUP_ESTIMATORS = (
     "rloo_vectorized",
     "grpo_vectorized",
 )
-_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 # KL estimators of verl's kl_penalty; a trailing '+' selects the straight-through k2 gradient.
 _KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 

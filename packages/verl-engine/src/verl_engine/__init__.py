@@ -1,35 +1,63 @@
-"""verl_engine: a megatron-core training engine for LLM post-training.
+"""verl_engine: a megatron-core training engine for LLM post-training (RL).
 
-Public API: :class:`Engine` / :func:`build_engine` (model + optimizer + train_step; packed batches with
-static or dynamic context parallelism via :class:`CPLayout` / :func:`cp_layout_from_config`,
-:class:`PackedBatch`, ``train_step_packed`` and ``compute_log_probs``), the SFT loop
-:func:`train`, the arithmetic data set and tokenizer used by the default ``verl-engine train`` run,
-and the loss-normalisation helpers.
+Public API:
+
+* The RL engine (verl's engine surface): :class:`RLEngine` (``forward_backward_batch``, ``train_batch``,
+  ``infer_batch``, ``train_mode`` / ``eval_mode``, ``optimizer_step``, ``lr_scheduler_step`` ...) built by
+  :func:`rl_engine_from_config` from a loaded verl-config ``ppo_trainer`` config (actor / ref / critic) or
+  :func:`build_rl_engine` from the sections; :class:`MicroBatching`, :class:`RLBatch`.
+* Losses (:mod:`verl_engine.losses`): ``ppo_loss``, ``value_loss``, ``sft_loss``, ``agg_loss``,
+  ``kl_penalty``, the policy-loss registry; the learning-rate schedule (:mod:`verl_engine.lr_schedule`);
+  vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`).
+* The SFT engine and loop of ``verl-engine train``: :class:`Engine` / :func:`build_engine`, :func:`train`,
+  packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`), the demo data set.
+
+Names load on first use (PEP 562): importing the package does not import megatron-core, so spawned test
+ranks and torch-only users start fast.
 """
 
-from verl_engine.data import ArithmeticDataset, Batch, CharTokenizer
-from verl_engine.engine import Engine, StepMetrics, build_engine, lr_at_step
-from verl_engine.loss import masked_loss_sum, megatron_loss_scale
-from verl_engine.packed import CPLayout, PackedBatch, cp_layout_from_config, split_packed_micro_batches
-from verl_engine.trainer import RunSummary, resolve_device, train
+from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "ArithmeticDataset",
-    "Batch",
-    "CPLayout",
-    "CharTokenizer",
-    "Engine",
-    "PackedBatch",
-    "RunSummary",
-    "StepMetrics",
-    "build_engine",
-    "cp_layout_from_config",
-    "lr_at_step",
-    "masked_loss_sum",
-    "megatron_loss_scale",
-    "resolve_device",
-    "split_packed_micro_batches",
-    "train",
-]
+_LAZY: dict[str, str] = {
+    "ArithmeticDataset": "verl_engine.data",
+    "Batch": "verl_engine.data",
+    "CPLayout": "verl_engine.packed",
+    "CharTokenizer": "verl_engine.data",
+    "Engine": "verl_engine.engine",
+    "MicroBatching": "verl_engine.rl_engine",
+    "PackedBatch": "verl_engine.packed",
+    "RLBatch": "verl_engine.rl_batch",
+    "RLEngine": "verl_engine.rl_engine",
+    "RunSummary": "verl_engine.trainer",
+    "StepMetrics": "verl_engine.engine",
+    "build_engine": "verl_engine.engine",
+    "build_rl_engine": "verl_engine.build_rl",
+    "cp_layout_from_config": "verl_engine.packed",
+    "lr_at_step": "verl_engine.engine",
+    "masked_loss_sum": "verl_engine.loss",
+    "megatron_loss_scale": "verl_engine.loss",
+    "resolve_device": "verl_engine.trainer",
+    "rl_engine_from_config": "verl_engine.build_rl",
+    "split_packed_micro_batches": "verl_engine.packed",
+    "train": "verl_engine.trainer",
+    "vocab_parallel_log_probs_and_entropy": "verl_engine.logprobs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'verl_engine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

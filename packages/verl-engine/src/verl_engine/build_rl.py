@@ -1,0 +1,318 @@
+"""Build an :class:`~verl_engine.rl_engine.RLEngine` for one role from verl-config's sections.
+
+The sections are verl's own (``actor_rollout_ref.actor.megatron`` / ``.optim``, ``actor_rollout_ref.model``,
+``critic.megatron`` ...): there is no second schema. ``model.path`` is a Hugging Face model directory
+(config.json + safetensors): the architecture comes from its config (clear error for an unsupported one),
+the weights are loaded into the megatron-core model by verl-mcore-utils (TP-sharded), the tokenizer is
+transformers' AutoTokenizer. A value model (critic) is the same backbone with a one-output head, initialised
+from the same checkpoint (the LM head is not loaded into it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_engine.backends import DebugBackend, MegatronBackend
+from verl_engine.packed import cp_layout_from_config
+from verl_engine.rl_engine import MicroBatching, RLEngine
+
+__all__ = ["ROLES", "THDModelProvider", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
+
+ROLES = ("actor", "ref", "critic")
+_NO_BUDGET = 1 << 40  # the CP layout's token budget is not used: MicroBatching cuts the micro-batches
+
+
+@dataclass
+class THDModelProvider:
+    """verl-mcore-utils model provider of a GPTModel that takes packed (THD) batches (verl-dyncp attention)."""
+
+    transformer_config: Any
+    hf_config: Any
+    device: torch.device
+    kernel: str = "auto"
+    ddp_defaults: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.ddp_defaults = dict(self.ddp_defaults or {})
+
+    def provide(
+        self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None
+    ) -> torch.nn.Module:
+        if not (pre_process and post_process) or vp_stage not in (None, 0):
+            raise ValueError(
+                "pipeline_model_parallel_size > 1 is not supported by the RL engine yet (one whole model chunk)"
+            )
+        from verl_dyncp.model import build_thd_gpt_model
+
+        return build_thd_gpt_model(
+            hf_config=self.hf_config,
+            tf_config=self.transformer_config,
+            device=self.device,
+            kernel=self.kernel,
+        )
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a model directory, checked against the supported architectures."""
+    from verl_mcore_utils.transformer_config import SUPPORTED_MODEL_TYPES
+
+    folder = Path(os.path.expanduser(str(path)))
+    file = folder / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json); give a local"
+            " directory saved with save_pretrained (config.json + *.safetensors)"
+        )
+    config = json.loads(file.read_text())
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model.path {str(path)!r}: architecture {config.get('model_type')!r} is not supported by the engine;"
+            f" supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def build_rl_engine(
+    *,
+    engine: Any,
+    model_path: str | None,
+    optim: Any | None,
+    micro_batching: MicroBatching,
+    device: torch.device,
+    value_model: bool = False,
+    hf_config: Mapping[str, Any] | None = None,
+    override_model_config: Mapping[str, Any] | None = None,
+    total_training_steps: int | None = None,
+) -> RLEngine:
+    """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
+
+    ``optim`` (``McoreOptimConfig``) None = forward only (reference policy). ``hf_config`` replaces
+    reading ``model_path``'s config (presets / tests); weights are loaded from ``model_path`` when given.
+    megatron-core's parallel state is initialised here if it is not yet (``context_parallel_size=1``:
+    CP runs in verl-dyncp's groups over the DP x CP pool).
+    """
+    from megatron.core import parallel_state
+
+    from verl_mcore_utils.ddp import WrapConfig
+    from verl_mcore_utils.module import make_megatron_module
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+    if engine.pipeline_model_parallel_size != 1 or engine.virtual_pipeline_model_parallel_size is not None:
+        raise NotImplementedError(
+            f"pipeline_model_parallel_size={engine.pipeline_model_parallel_size}: the RL engine runs one whole model"
+            " chunk per rank for now; set pipeline_model_parallel_size=1"
+        )
+    if hf_config is None:
+        if not model_path:
+            raise ValueError("give model.path (a Hugging Face model directory) or an hf_config")
+        hf_config = load_hf_config(model_path)
+    hf = {**dict(hf_config), **dict(override_model_config or {})}
+    debug = device.type == "cpu"
+    if not parallel_state.model_parallel_is_initialized():
+        init_parallel(tensor_model_parallel_size=engine.tensor_model_parallel_size, device=device.type)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp != engine.tensor_model_parallel_size:
+        raise ValueError(
+            f"megatron-core is initialised with tensor_model_parallel_size={tp} but this role's section asks for"
+            f" {engine.tensor_model_parallel_size}; roles sharing a process group must share the TP size"
+        )
+    pool = parallel_state.get_data_parallel_world_size()
+    layout = cp_layout_from_config(engine, max_tokens_per_rank=_NO_BUDGET)
+    if not layout.dynamic and pool % layout.static_cp_size:
+        raise ValueError(
+            f"context_parallel_size={layout.static_cp_size} does not divide the {pool} ranks of the DP x CP pool"
+            " (world size / tensor_model_parallel_size)"
+        )
+    if not engine.use_remove_padding and (layout.dynamic or layout.static_cp_size > 1):
+        raise ValueError(
+            "use_remove_padding=false (padded batches) cannot run context parallelism; set"
+            " use_remove_padding=true or context_parallel_size=1 and dynamic_context_parallel=false"
+        )
+    dtype = "float32" if debug else engine.dtype
+    tf_config = hf_to_transformer_config(
+        hf,
+        dtype=dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=engine.sequence_parallel and tp > 1,
+        overrides=_transformer_overrides(engine.override_transformer_config),
+    )
+    torch.manual_seed(engine.seed)
+    provider = THDModelProvider(
+        transformer_config=tf_config, hf_config=hf, device=device, kernel=engine.packed_attention_backend
+    )
+    trains = optim is not None and not engine.forward_only
+    if debug:
+        wrap = WrapConfig(is_value_model=value_model, wrap_with_ddp=False)
+    else:
+        wrap = WrapConfig(**engine.wrap_config_kwargs(is_value_model=value_model))
+        if not trains:
+            wrap = WrapConfig(
+                **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": False}
+            )
+    chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config)
+    if model_path:
+        _load_weights(chunks, model_path, hf_config=hf, value_model=value_model)
+    model = chunks[0]
+    optimizer, lr_schedule = None, None
+    if trains:
+        optimizer = _optimizer(chunks, optim=optim, engine=engine, debug=debug, tf_config=tf_config)
+        from verl_engine.lr_schedule import lr_schedule_from_config
+
+        lr_schedule = lr_schedule_from_config(optim, total_training_steps=total_training_steps)
+        lr_schedule.apply(optimizer)  # step 0's learning rate (warm-up starts below optim.lr)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    from verl_dyncp.planner import WorkloadModel
+    from verl_engine.engine import _pool_cp_groups
+
+    backend: Any
+    if debug:
+        backend = DebugBackend(
+            clip_grad=float(optim.clip_grad) if optim is not None else 0.0,
+            pool_group=parallel_state.get_data_parallel_group(),
+            pool_size=pool,
+        )
+    else:
+        backend = MegatronBackend()
+    return RLEngine(
+        model=model,
+        optimizer=optimizer,
+        backend=backend,
+        tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+        tp_size=tp,
+        device=device,
+        cp_layout=layout,
+        cp_groups=_pool_cp_groups(),
+        cp_workload=WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size),
+        micro_batching=micro_batching,
+        value_model=value_model,
+        use_remove_padding=engine.use_remove_padding,
+        lr_schedule=lr_schedule,
+        tokenizer_path=model_path,
+    )
+
+
+def rl_engine_from_config(
+    cfg: Any,
+    *,
+    role: str,
+    device: torch.device,
+    hf_config: Mapping[str, Any] | None = None,
+) -> RLEngine:
+    """The engine of ``role`` (actor | ref | critic) from a loaded ``ppo_trainer`` config (model_engine=megatron)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    if cfg.model_engine != "megatron":
+        raise ValueError(
+            f"model_engine is {cfg.model_engine!r}; verl-engine is the Megatron engine: load the config with"
+            " model_engine=megatron"
+        )
+    arr = cfg.actor_rollout_ref
+    section = {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic}[role]
+    engine = section.megatron
+    model = cfg.critic.model if role == "critic" else arr.model
+    optim = None if role == "ref" else section.optim
+    steps = None
+    if optim is not None and optim.total_training_steps <= 0:
+        steps = cfg.trainer.total_training_steps
+    return build_rl_engine(
+        engine=engine,
+        model_path=None if hf_config is not None and not _is_dir(model.path) else model.path,
+        optim=optim,
+        micro_batching=MicroBatching(
+            use_dynamic_bsz=bool(engine.use_dynamic_bsz),
+            max_token_len_per_gpu=engine.max_token_len_per_gpu,
+            micro_batch_size_per_gpu=engine.micro_batch_size_per_gpu,
+        ),
+        device=device,
+        value_model=role == "critic",
+        hf_config=hf_config,
+        override_model_config=dict(model.override_config.get("model_config", {}) or {}),
+        total_training_steps=steps,
+    )
+
+
+def _is_dir(path: str | None) -> bool:
+    return bool(path) and Path(os.path.expanduser(str(path))).is_dir()
+
+
+def _transformer_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's override_transformer_config without its null placeholders (megatron's defaults stay)."""
+    return {k: v for k, v in dict(overrides).items() if v is not None}
+
+
+def _load_weights(
+    chunks: list[torch.nn.Module], path: str, *, hf_config: Mapping[str, Any], value_model: bool
+) -> None:
+    from verl_mcore_utils.weights import load_hf_weights
+
+    if not value_model:
+        load_hf_weights(chunks, path, hf_config=hf_config)
+        return
+    # The critic: the HF checkpoint's backbone; its value head keeps its own initialisation.
+    from verl_mcore_utils.module import unwrap_model
+
+    inner = unwrap_model(chunks[0])
+    head = inner.output_layer
+    inner.output_layer = _TemporaryLMHead(
+        hf_config, device=next(head.parameters()).device, dtype=head.weight.dtype
+    )
+    try:
+        load_hf_weights(chunks, path, hf_config=hf_config)
+    finally:
+        inner.output_layer = head
+
+
+class _TemporaryLMHead(torch.nn.Module):
+    """Stands in for the LM head while the critic's backbone is loaded (the head's weights are dropped)."""
+
+    def __init__(self, hf_config: Mapping[str, Any], *, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        vocab = int(hf_config["vocab_size"])
+        self.weight = torch.nn.Parameter(
+            torch.empty(((vocab + tp - 1) // tp, int(hf_config["hidden_size"])), device=device, dtype=dtype)
+        )
+
+
+def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug: bool, tf_config: Any) -> Any:
+    if debug:
+        decay, no_decay = [], []
+        for name, p in chunks[0].named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
+        extra = dict(optim.override_optimizer_config or {})  # megatron OptimizerConfig names, as on GPU
+        return torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": optim.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=optim.lr,
+            betas=(optim.betas[0], optim.betas[1]),
+            eps=float(extra.get("adam_eps", 1e-8)),
+        )
+    from megatron.core.optimizer import OptimizerConfig
+
+    from verl_mcore_utils.compat import make_megatron_optimizer
+    from verl_mcore_utils.module import attach_training_hooks
+
+    kwargs = optim.optimizer_config_kwargs(
+        dtype=engine.dtype, use_distributed_optimizer=engine.use_distributed_optimizer
+    )
+    optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
+    attach_training_hooks(chunks, optimizer)
+    return optimizer

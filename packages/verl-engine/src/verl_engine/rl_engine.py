@@ -1,0 +1,410 @@
+"""The engine RL trainers drive: verl's engine surface over a megatron-core model (actor, critic, reference).
+
+One object per role. Per call it takes the step's whole batch (a TensorDict or mapping with verl's keys,
+the same on every rank), packs the valid tokens, cuts micro-batches (a fixed number of sequences per GPU
+or a token budget per GPU), lets verl-dyncp's planner spread every micro-batch over the DP x CP ranks
+(static or dynamic CP; CP size 1 = plain data parallelism, still balanced by workload), runs the model on
+each rank's share, and gathers the per-token outputs of the micro-batch back on every rank
+(``dynamic_cp_merge_output``: each rank's own slot keeps its autograd graph). The loss function then
+sees whole sequences, so every ``loss_agg_mode`` (token- or sequence-level) is exact, and the sum of the
+ranks' gradients is the gradient of the global loss; ``data["dp_size"]`` is therefore the number of
+ranks whose gradients are averaged (DP x CP), ``data["batch_num_tokens"]`` / ``data["global_batch_size"]``
+the response tokens / sequences of the whole call.
+
+Why the whole batch on every rank: no rank can be given a different number of micro-batches (the
+planner runs on the same lengths everywhere, a digest of the batch is compared before any collective),
+so a bad batch fails on every rank with the same error instead of hanging one of them.
+``get_data_parallel_size()`` is 1 accordingly: a verl-style dispatcher sends the whole batch to every
+rank and collects from ``is_mp_src_rank_with_outputs()`` (rank 0), and every rank returns the same outputs.
+
+Two small backends run the micro-batches: megatron-core's DDP, optimizer and forward-backward schedule
+(CUDA), and a CPU debug backend (gloo, no DDP wrapper, torch AdamW, fp32) that runs the same model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
+from verl_engine.packed import CPLayout, split_packed_micro_batches
+from verl_engine.rl_batch import RLBatch, read_scalar
+
+__all__ = ["SHARE_METRICS", "LossFunction", "MicroBatching", "RLEngine"]
+
+# verl's loss call shape: loss, metrics = loss_fn(model_output=..., data=..., dp_group=...)
+LossFunction = Callable[..., tuple[torch.Tensor, Mapping[str, Any]]]
+# Metrics that are a micro-batch's share of a globally normalised loss (summed over micro-batches, then
+# divided by the pool size as the loss itself); every other metric is averaged over micro-batches.
+SHARE_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "vf_loss", "sft_loss"})
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a call's sequences are cut into micro-batches (verl's keys of the role / engine section).
+
+    ``use_dynamic_bsz``: micro-batches of at most ``max_token_len_per_gpu`` tokens per rank of the pool
+    (first-fit decreasing by length); else ``micro_batch_size_per_gpu`` sequences per rank, in input order.
+    """
+
+    use_dynamic_bsz: bool
+    max_token_len_per_gpu: int | None = None
+    micro_batch_size_per_gpu: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_dynamic_bsz and not (self.max_token_len_per_gpu or 0) > 0:
+            raise ValueError(
+                f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {self.max_token_len_per_gpu}"
+            )
+        if not self.use_dynamic_bsz and not (self.micro_batch_size_per_gpu or 0) > 0:
+            raise ValueError(
+                "micro_batch_size_per_gpu must be > 0 without use_dynamic_bsz, got"
+                f" {self.micro_batch_size_per_gpu}"
+            )
+
+    def split(self, seq_lens: tuple[int, ...], *, pool: int, groups_per_pool: int) -> list[tuple[int, ...]]:
+        """Sequence indices of every micro-batch (the same on every rank: it depends on lengths only)."""
+        if self.use_dynamic_bsz:
+            assert self.max_token_len_per_gpu is not None
+            return split_packed_micro_batches(seq_lens, max_tokens=self.max_token_len_per_gpu * pool)
+        assert self.micro_batch_size_per_gpu is not None
+        per = self.micro_batch_size_per_gpu * groups_per_pool
+        return [tuple(range(s, min(s + per, len(seq_lens)))) for s in range(0, len(seq_lens), per)]
+
+
+@dataclass
+class _MicroBatch:
+    """One planned micro-batch: its sequences, the packed sub-batch, this rank's split, attention parameters."""
+
+    indices: tuple[int, ...]
+    sub: Any  # verl_engine.packed.PackedBatch of those sequences
+    split: Any  # verl_dyncp.DynamicCPMicroBatch
+    packed_seq_params: Any
+
+
+class RLEngine:
+    """verl's engine surface (``BaseEngine``) for one role over a built model and optimizer.
+
+    Built by :func:`verl_engine.build_rl.build_rl_engine`; see the module docstring for the data path.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: Any,
+        backend: Any,
+        tp_group: Any,
+        tp_size: int,
+        device: torch.device,
+        cp_layout: CPLayout,
+        cp_groups: Any,
+        cp_workload: Any,
+        micro_batching: MicroBatching,
+        value_model: bool,
+        use_remove_padding: bool = True,
+        lr_schedule: Any = None,
+        tokenizer_path: str | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.backend = backend
+        self.tp_group = tp_group
+        self.tp_size = tp_size
+        self.device = device
+        self.cp_layout = cp_layout
+        self.cp_groups = cp_groups
+        self.cp_workload = cp_workload
+        self.micro_batching = micro_batching
+        self.value_model = value_model
+        self.use_remove_padding = use_remove_padding
+        self.lr_schedule = lr_schedule
+        self.mode: str | None = None
+        self._tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------------------ modes
+    @contextlib.contextmanager
+    def train_mode(self, **_: Any) -> Iterator[RLEngine]:
+        """Training context: model in train mode; gradients are zeroed on exit (as verl's Megatron engine)."""
+        previous = self.mode
+        self.mode = "train"
+        self.model.train()
+        try:
+            yield self
+        finally:
+            self.optimizer_zero_grad()
+            self.mode = previous
+
+    @contextlib.contextmanager
+    def eval_mode(self, **_: Any) -> Iterator[RLEngine]:
+        """Inference context: model in eval mode (no dropout)."""
+        previous, was_training = self.mode, self.model.training
+        self.mode = "eval"
+        self.model.eval()
+        try:
+            yield self
+        finally:
+            self.model.train(was_training)
+            self.mode = previous
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The model without LoRA adapters (reference policy = actor without its adapter).
+
+        This engine builds no adapters yet, so the model is already the base model; the context is a no-op
+        kept for verl's call shape.
+        """
+        yield
+
+    # ------------------------------------------------------------------------------ ranks
+    def get_data_parallel_size(self) -> int:
+        """1: every rank takes the whole batch (the engine spreads it over DP x CP itself)."""
+        return 1
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_parallel_group(self) -> Any:
+        return None
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        """Rank 0 returns outputs to a controller (every rank holds the same outputs)."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks whose gradients are averaged: DP x CP (the pool verl-dyncp plans over)."""
+        return int(self.cp_groups.world_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of ``model.path`` (transformers AutoTokenizer, loaded on first use)."""
+        if self._tokenizer is None:
+            if self._tokenizer_path is None:
+                raise ValueError("this engine was built without a model path; it has no tokenizer")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------------------ optimizer
+    def optimizer_zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.backend.zero_grad(self)
+
+    def optimizer_step(self) -> float:
+        """Clip and step; returns the gradient norm before clipping."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this engine has no optimizer (a forward-only role such as the reference policy)"
+            )
+        return self.backend.step(self)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the learning-rate schedule one step; returns the new learning rate."""
+        if self.lr_schedule is None:
+            raise RuntimeError("this engine has no learning-rate schedule (no optimizer section was given)")
+        return float(self.lr_schedule.step(self.optimizer))
+
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------ batches
+    def train_batch(self, data: Mapping[str, Any], loss_function: LossFunction) -> dict[str, Any]:
+        """Zero grads, forward + backward over the batch, optimizer step; ``metrics["grad_norm"]`` added."""
+        self.optimizer_zero_grad()
+        out = self.forward_backward_batch(data, loss_function, forward_only=False)
+        out["metrics"]["grad_norm"] = self.optimizer_step()
+        return out
+
+    @torch.no_grad()
+    def infer_batch(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None = None
+    ) -> dict[str, Any]:
+        """Forward only: log-probs / entropy (or values) of every token, in input order."""
+        return self.forward_backward_batch(data, loss_function, forward_only=True)
+
+    def forward_backward_batch(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        """Run every micro-batch; returns ``{"model_output": ..., "loss": float, "metrics": {...}}``.
+
+        ``model_output``: ``log_probs`` and (with ``calculate_entropy``) ``entropy`` for a language model,
+        ``values`` for a value model, in the input's layout (position ``c`` holds the output computed at
+        token ``c``: log p(token c+1)), identical on every rank. ``loss`` is the global loss of the call,
+        ``metrics`` the loss function's metrics averaged over micro-batches.
+        """
+        if not forward_only and loss_function is None:
+            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_function")
+        batch = RLBatch.from_data(data)
+        self._check_same_batch(batch)
+        micro = self._plan(batch)
+        temperature = float(read_scalar(data, "temperature", 1.0))
+        entropy = bool(read_scalar(data, "calculate_entropy", False)) and not self.value_model
+        scalars = self._loss_scalars(data, batch)
+        per_seq: dict[str, list[torch.Tensor | None]] = {}
+        losses: list[float] = []
+        metrics: dict[str, list[float]] = {}
+
+        def step(mb: _MicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
+            merged = self._forward(model, mb, temperature=temperature, entropy=entropy)
+            self._keep_outputs(batch, mb, merged, per_seq)
+            if loss_function is None:
+                return None
+            loss_data = batch.rows(data, mb.indices) | scalars
+            model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
+            loss, mb_metrics = loss_function(model_output=model_output, data=loss_data, dp_group=None)
+            losses.append(float(loss.detach()) / self.pool_size)
+            for key, value in mb_metrics.items():
+                metrics.setdefault(key, []).append(float(value))
+            return loss
+
+        self.backend.run(self, micro, step, forward_only=forward_only)
+        outputs = {
+            key: batch.to_input_layout([v for v in values if v is not None])  # type: ignore[misc]
+            for key, values in per_seq.items()
+        }
+        return {
+            "model_output": outputs,
+            "loss": sum(losses),
+            "metrics": {
+                k: sum(v) / self.pool_size if k in SHARE_METRICS else sum(v) / len(v)
+                for k, v in metrics.items()
+            },
+        }
+
+    # ------------------------------------------------------------------------------ internals
+    def _loss_scalars(self, data: Mapping[str, Any], batch: RLBatch) -> dict[str, Any]:
+        if "response_mask" in data:
+            tokens = int(data["response_mask"].to(torch.bool).sum())
+        else:
+            tokens = sum(batch.response_lens)
+        return {
+            "dp_size": self.pool_size,
+            "batch_num_tokens": tokens,
+            "global_batch_size": batch.size,
+            "temperature": float(read_scalar(data, "temperature", 1.0)),
+        }
+
+    def _plan(self, batch: RLBatch) -> list[_MicroBatch]:
+        from verl_dyncp.planner import dynamic_cp_split_batch
+        from verl_dyncp.thd_attention import thd_packed_seq_params
+
+        layout = self.cp_layout
+        groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
+        out = []
+        for indices in self.micro_batching.split(
+            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+        ):
+            sub = batch.packed.select(indices)
+            split = dynamic_cp_split_batch(
+                sub.input_ids.to(self.device),
+                seq_lens=sub.seq_lens,
+                groups=self.cp_groups,
+                tp_size=self.tp_size,
+                workload=self.cp_workload,
+                **layout.plan_kwargs(),
+            )
+            group = split.group.process_group if split.group.size > 1 else None
+            out.append(
+                _MicroBatch(indices, sub, split, thd_packed_seq_params(split.batch.meta, cp_group=group))
+            )
+        return out
+
+    def _forward(
+        self, model: torch.nn.Module, mb: _MicroBatch, *, temperature: float, entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """This rank's share through the model, per-token outputs merged over the pool (label-aligned)."""
+        from verl_dyncp.planner import dynamic_cp_merge_output
+
+        local = mb.split.batch
+        if self.use_remove_padding:
+            raw = model(
+                input_ids=local.input_ids[None],
+                position_ids=None,
+                attention_mask=None,
+                packed_seq_params=mb.packed_seq_params,
+            )[0]
+            labels = local.labels
+        else:
+            raw, labels = self._padded_forward(model, mb)
+        merged: dict[str, torch.Tensor] = {}
+        if self.value_model:
+            values = raw.squeeze(-1).float()
+            merged["values"] = dynamic_cp_merge_output(values, micro_batch=mb.split, groups=self.cp_groups)
+            return merged
+        log_probs, ent = vocab_parallel_log_probs_and_entropy(
+            raw,
+            labels,
+            tp_group=self.tp_group if self.tp_size > 1 else None,
+            temperature=temperature,
+            compute_entropy=entropy,
+        )
+        merged["log_probs"] = dynamic_cp_merge_output(log_probs, micro_batch=mb.split, groups=self.cp_groups)
+        if ent is not None:
+            merged["entropy"] = dynamic_cp_merge_output(ent, micro_batch=mb.split, groups=self.cp_groups)
+        return merged
+
+    def _padded_forward(self, model: torch.nn.Module, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """use_remove_padding=False: this rank's sequences right-padded [n, L] (BSHD, causal, no mask).
+
+        Outputs are put back into the packed local layout, so the merge and everything after it is the
+        packed path's: the two paths differ only in how attention sees the tokens (CP size is 1 here).
+        """
+        split = mb.split
+        if split.is_dummy:
+            seqs = [split.batch.input_ids]
+        else:
+            cu = mb.sub.cu_seqlens
+            seqs = [mb.sub.input_ids[cu[i] : cu[i + 1]].to(self.device) for i in split.sequence_indices]
+        lens = [int(s.shape[0]) for s in seqs]
+        rows = torch.zeros((len(seqs), max(lens)), dtype=torch.int64, device=self.device)
+        labels = torch.full_like(rows, -100)
+        for r, s in enumerate(seqs):
+            rows[r, : lens[r]] = s
+            labels[r, : lens[r] - 1] = s[1:]
+        out = model(input_ids=rows, position_ids=None, attention_mask=None)  # [n, L, V/tp] or [n, L, 1]
+        flat_out = torch.cat([out[r, :n] for r, n in enumerate(lens)])
+        flat_labels = torch.cat([labels[r, :n] for r, n in enumerate(lens)])
+        if split.is_dummy:
+            return flat_out, torch.full_like(flat_labels, -100)
+        meta = split.batch.meta
+        return meta.take(flat_out, pad_value=0), meta.take(flat_labels, pad_value=-100)
+
+    def _keep_outputs(
+        self,
+        batch: RLBatch,
+        mb: _MicroBatch,
+        merged: Mapping[str, torch.Tensor],
+        per_seq: dict[str, list[Any]],
+    ) -> None:
+        """Store each sequence's merged output (label-aligned, last slot zero) for the caller, detached."""
+        offset = 0
+        for i in mb.indices:
+            n = batch.packed.seq_lens[i]
+            for key, values in merged.items():
+                slots = per_seq.setdefault(key, [None] * batch.size)
+                piece = values[offset : offset + n].detach().clone()
+                if key != "values":
+                    piece[n - 1] = 0.0  # the last token predicts nothing
+                slots[i] = piece
+            offset += n
+
+    def _check_same_batch(self, batch: RLBatch) -> None:
+        """Every rank must hold the same batch: one MAX all-reduce of (digest, -digest), before any other collective."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        fp = batch.packed.fingerprint()
+        t = torch.tensor([fp, -fp], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != fp or -int(t[1]) != fp:
+            raise ValueError(
+                "ranks were given different batches (lengths or tokens differ); the engine needs the call's whole"
+                " batch, identical, on every rank (get_data_parallel_size() is 1)"
+            )

@@ -1,0 +1,168 @@
+"""Per-rank functions of the RL engine tests (picklable: module level). CPU (gloo) or GPU (NCCL).
+
+Every rank loads the unified ppo_trainer config (model_engine=megatron) from verl override strings, builds
+the role's engine with ``rl_engine_from_config`` from a Hugging Face model directory, and runs the engine
+API on a verl-style padded batch (the same on every rank). Several layouts run in one process group:
+megatron-core's model-parallel state is rebuilt between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BASE = [
+    "model_engine=megatron",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "critic.optim.lr=1e-2",
+    "actor_rollout_ref.actor.optim.clip_grad=1e9",
+    "critic.optim.clip_grad=1e9",
+    "actor_rollout_ref.actor.optim.weight_decay=0.0",
+    "critic.optim.weight_decay=0.0",
+    "actor_rollout_ref.actor.optim.total_training_steps=10",
+    "critic.optim.total_training_steps=10",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.model.use_remove_padding=true",
+]
+
+
+def verl_batch(
+    *, seed: int, prompt_lens: list[int], response_lens: list[int], vocab: int = 128
+) -> dict[str, Any]:
+    """A verl padded batch: prompts left-padded to the longest, responses right-padded, PPO tensors."""
+    g = torch.Generator().manual_seed(seed)
+    b, p, r = len(prompt_lens), max(prompt_lens), max(response_lens)
+    ids = torch.zeros((b, p + r), dtype=torch.int64)
+    mask = torch.zeros((b, p + r), dtype=torch.int64)
+    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        ids[i, p - pl : p + rl] = torch.randint(1, vocab, (pl + rl,), generator=g)
+        mask[i, p - pl : p + rl] = 1
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    response_mask = mask[:, p:].clone()
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "old_log_probs": -2.0 + 0.3 * torch.randn((b, r), generator=g),
+        "ref_log_prob": -2.0 + 0.3 * torch.randn((b, r), generator=g),
+        "advantages": torch.randn((b, r), generator=g),
+        "values": 0.1 * torch.randn((b, r), generator=g),
+        "returns": torch.randn((b, r), generator=g),
+    }
+
+
+def _engine(overrides: list[str], role: str, model_dir: str, device: str) -> Any:
+    from megatron.core import parallel_state
+
+    from verl_config import load_config
+    from verl_engine.build_rl import rl_engine_from_config
+    from verl_mcore_utils.parallel import init_parallel
+
+    cfg = load_config(overrides=[*BASE, f"actor_rollout_ref.model.path={model_dir}", *overrides])
+    section = {"actor": cfg.actor_rollout_ref.actor, "ref": cfg.actor_rollout_ref.ref, "critic": cfg.critic}[
+        role
+    ]
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    init_parallel(tensor_model_parallel_size=section.megatron.tensor_model_parallel_size, device=device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return rl_engine_from_config(cfg, role=role, device=dev), cfg
+
+
+def infer_layouts(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    device: str = "cpu",
+    role: str = "actor",
+) -> list[dict[str, torch.Tensor]]:
+    """log_probs + entropy of ``batch`` under every layout (same process group)."""
+    out = []
+    for overrides in layouts:
+        engine, _ = _engine(overrides, role, model_dir, device)
+        data = {**batch, "calculate_entropy": True}
+        with engine.eval_mode():
+            result = engine.infer_batch(data)
+        out.append({k: v.float().cpu() for k, v in result["model_output"].items()})
+    return out
+
+
+def ppo_step_layouts(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """One actor train_batch with the PPO loss per layout; the updated weights (TP 1) and the metrics."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, device)
+        loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            result = engine.forward_backward_batch({**batch, "calculate_entropy": True}, loss_fn)
+            named = unwrap_model(engine.model).named_parameters()
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in named if p.grad is not None}
+            result["metrics"]["grad_norm"] = engine.optimizer_step()
+        params = {
+            n: p.detach().float().cpu().clone() for n, p in unwrap_model(engine.model).named_parameters()
+        }
+        out.append({"metrics": result["metrics"], "loss": result["loss"], "params": params, "grads": grads})
+    return out
+
+
+def critic_values(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    overrides: list[str],
+    batch: dict[str, Any],
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The critic's values of ``batch`` and its value head's weight (to recompute them from HF hidden states)."""
+    from verl_mcore_utils.module import unwrap_model
+
+    engine, _ = _engine(overrides, "critic", model_dir, device)
+    with engine.eval_mode():
+        result = engine.infer_batch(batch)
+    head = unwrap_model(engine.model).output_layer.weight.detach().float().cpu().clone()
+    return {"values": result["model_output"]["values"].float().cpu(), "head": head}
+
+
+def engine_call(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    overrides: list[str],
+    batch: dict[str, Any],
+    role: str = "actor",
+    loss: str = "ppo",
+) -> dict[str, Any]:
+    """One train_batch with the named loss; the result (or the error, raised on this rank)."""
+    from functools import partial
+
+    from verl_engine import losses
+
+    engine, cfg = _engine(overrides, role, model_dir, "cpu")
+    section = cfg.critic if role == "critic" else cfg.actor_rollout_ref.actor
+    fn = {"ppo": losses.ppo_loss, "value": losses.value_loss, "sft": losses.sft_loss}[loss]
+    with engine.train_mode():
+        out = engine.train_batch(batch, partial(fn, config=section))
+    return {"loss": out["loss"], "metrics": out["metrics"]}
