@@ -166,3 +166,26 @@ def engine_call(
     with engine.train_mode():
         out = engine.train_batch(batch, partial(fn, config=section))
     return {"loss": out["loss"], "metrics": out["metrics"]}
+
+
+def infer_tensordict(rank: int, world_size: int, model_dir: str, batch: dict[str, Any]) -> list[torch.Tensor]:
+    """infer_batch on a tensordict.TensorDict as verl's new workers pass it: jagged input_ids, NonTensorData."""
+    from tensordict import NonTensorData, TensorDict
+
+    engine, _ = _engine([f"trainer.n_gpus_per_node={world_size}"], "ref", model_dir, "cpu")
+    mask = batch["attention_mask"].bool()
+    seqs = [batch["input_ids"][i, mask[i]] for i in range(mask.shape[0])]
+    td = TensorDict(
+        {
+            "input_ids": torch.nested.nested_tensor(seqs, layout=torch.jagged),
+            "attention_mask": batch["attention_mask"],
+            "response_mask": batch["response_mask"],
+        },
+        batch_size=[mask.shape[0]],
+    )
+    td["temperature"] = NonTensorData(1.0)
+    td["calculate_entropy"] = NonTensorData(True)
+    with engine.eval_mode():
+        out = engine.infer_batch(td)["model_output"]["log_probs"]
+    assert out.is_nested
+    return [t.clone() for t in out.unbind()]

@@ -98,6 +98,37 @@ def test_log_probs_and_entropy_match_transformers_on_two_ranks(model_dir: str) -
         _check(rank_results, reference, list(layouts))
 
 
+def test_tensordict_with_jagged_input_ids(model_dir: str) -> None:
+    from rl_engine_workers import infer_tensordict
+
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    reference = hf_reference(model_dir, batch)
+    for per_seq in run_distributed(infer_tensordict, world_size=2, args=(model_dir, batch)):
+        mask = batch["attention_mask"].bool()
+        for i, values in enumerate(per_seq):  # jagged in, jagged out: the valid tokens only, in input order
+            assert rel_err(values, reference["log_probs"][i, mask[i]]) < 1e-5
+
+
+def test_over_budget_sequences_and_fewer_sequences_than_ranks(model_dir: str) -> None:
+    """A sequence longer than the token budget runs in a micro-batch of its own; one sequence on two ranks."""
+    long_batch = verl_batch(seed=9, prompt_lens=[3, 9, 2], response_lens=[2, 8, 3])  # 17 tokens > budget 8
+    single = verl_batch(seed=10, prompt_lens=[4], response_lens=[5])
+    budget = [
+        "data.max_prompt_length=4",
+        "data.max_response_length=4",
+        f"{A}.use_dynamic_bsz=true",
+        f"{A}.ppo_max_token_len_per_gpu=8",
+    ]
+    for batch in (long_batch, single):
+        reference = hf_reference(model_dir, batch)
+        layouts = [
+            ["trainer.n_gpus_per_node=2", *budget],
+            ["trainer.n_gpus_per_node=2", f"{AM}.context_parallel_size=2"],
+        ]
+        for rank_results in run_distributed(infer_layouts, world_size=2, args=(model_dir, layouts, batch)):
+            _check(rank_results, reference, ["budget", "cp2"])
+
+
 def test_a_bad_batch_fails_on_every_rank_with_the_key(model_dir: str) -> None:
     batch = verl_batch(seed=2, prompt_lens=PROMPTS, response_lens=RESPONSES)
     del batch["attention_mask"]

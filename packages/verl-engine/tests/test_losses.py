@@ -695,3 +695,30 @@ def test_unknown_names_list_the_valid_ones() -> None:
         ppo_loss(config=actor_config(policy_loss={"loss_mode": "nope"}), model_output=model_output, data=data)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         ppo_loss(config=actor_config(clip_ratio_c=1.0), model_output=model_output, data=data)
+
+
+def test_kl_reward_penalty_subtracts_the_masked_kl_from_the_scores() -> None:
+    from verl_engine.losses import kl_reward_penalty
+
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn((3, 5), generator=g, dtype=torch.float64)
+    old = -torch.rand((3, 5), generator=g, dtype=torch.float64)
+    ref = -torch.rand((3, 5), generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    rewards, metrics = kl_reward_penalty(
+        token_level_scores=scores, old_log_prob=old, ref_log_prob=ref, response_mask=mask, kl_coef=0.1
+    )
+    for i in range(3):
+        for t in range(5):
+            expected = scores[i, t] - 0.1 * (old[i, t] - ref[i, t]) if mask[i, t] else 0.0
+            assert abs(float(rewards[i, t]) - float(expected)) < 1e-12
+    kls = [float(old[i, t] - ref[i, t]) for i in range(3) for t in range(5) if mask[i, t]]
+    assert abs(metrics["kl"] - sum(kls) / len(kls)) < 1e-12
+    with pytest.raises(ValueError, match="old_log_prob has shape"):
+        kl_reward_penalty(
+            token_level_scores=scores,
+            old_log_prob=old[:, :4],
+            ref_log_prob=ref,
+            response_mask=mask,
+            kl_coef=0.1,
+        )

@@ -76,6 +76,7 @@ __all__ = [
     "gpg_policy_loss",
     "gspo_policy_loss",
     "kl_penalty",
+    "kl_reward_penalty",
     "ppo_loss",
     "register_policy_loss",
     "sapo_policy_loss",
@@ -298,6 +299,37 @@ def kl_penalty(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty
         return value
     k2 = 0.5 * (log_prob - ref_log_prob).square()
     return value.detach() + (k2 - k2.detach())
+
+
+def kl_reward_penalty(
+    *,
+    token_level_scores: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    kl_penalty_type: str = "kl",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL to the reference as a reward penalty (verl's ``algorithm.use_kl_in_reward``), not as a loss.
+
+    ``rewards = scores - kl_coef * KL`` per response token (``[B, R]``, zero outside ``response_mask``);
+    metric ``kl`` is the masked mean KL. No gradient flows: rewards are data for the advantage estimator.
+    """
+    mask = response_mask.to(torch.bool)
+    _check_shapes(
+        loss="kl_reward_penalty",
+        mask=response_mask,
+        tensors={
+            "token_level_scores": token_level_scores,
+            "old_log_prob": old_log_prob,
+            "ref_log_prob": ref_log_prob,
+        },
+    )
+    with torch.no_grad():
+        kl = kl_penalty(log_prob=old_log_prob, ref_log_prob=ref_log_prob, kl_penalty=kl_penalty_type)
+        kl = torch.where(mask, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+        rewards = torch.where(mask, token_level_scores - kl_coef * kl, torch.zeros_like(token_level_scores))
+    return rewards, {"kl": _masked_mean(kl, mask), "kl_coef": float(kl_coef)}
 
 
 # ---------------------------------------------------------------------------------------- policy losses

@@ -164,11 +164,11 @@ class RLBatch:
             out[i, self.left_pad[i] : self.left_pad[i] + values.shape[0]] = values.detach()
         return out
 
-    def rows(self, data: Mapping[str, Any], indices: Sequence[int]) -> dict[str, Any]:
-        """The loss's view of a micro-batch: every padded per-sequence tensor row-selected, scalars as they are.
-
-        Jagged tensors and the token-level inputs the engine consumed itself are left out.
-        """
+    def rows(
+        self, data: Mapping[str, Any], indices: Sequence[int], *, device: torch.device | None = None
+    ) -> dict[str, Any]:
+        """The loss's view of a micro-batch: every padded per-sequence tensor row-selected (moved to
+        ``device``), scalars as they are. Jagged tensors are left out."""
         index = torch.tensor(list(indices), dtype=torch.int64)
         out: dict[str, Any] = {}
         for key in data.keys():
@@ -177,7 +177,8 @@ class RLBatch:
                 if value.is_nested or value.dim() == 0:
                     continue
                 if value.shape[0] == self.size:
-                    out[key] = value.index_select(0, index.to(value.device))
+                    rows = value.index_select(0, index.to(value.device))
+                    out[key] = rows if device is None else rows.to(device, non_blocking=True)
             else:
                 out[key] = getattr(value, "data", value)
         return out

@@ -257,7 +257,7 @@ class RLEngine:
             self._keep_outputs(batch, mb, merged, per_seq)
             if loss_function is None:
                 return None
-            loss_data = batch.rows(data, mb.indices) | scalars
+            loss_data = batch.rows(data, mb.indices, device=self.device) | scalars
             model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
             loss, mb_metrics = loss_function(model_output=model_output, data=loss_data, dp_group=None)
             losses.append(float(loss.detach()) / self.pool_size)
