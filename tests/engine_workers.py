@@ -12,7 +12,7 @@ def engine_step(rank: int, world_size: int, device: str, overrides: list[str]) -
     from megatron.core import parallel_state
 
     from verl_config import SFTConfig, load_config
-    from verl_engine.data import ArithmeticDataset, CharTokenizer
+    from verl_engine.demo import ArithmeticDataset, CharTokenizer
     from verl_engine.engine import build_engine
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.presets import qwen2_preset

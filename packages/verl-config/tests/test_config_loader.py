@@ -11,8 +11,8 @@ from verl_config import (
     ConfigKeyError,
     ConfigTypeError,
     ConfigValueError,
+    McoreEngineConfig,
     SFTConfig,
-    SFTMegatronConfig,
     check_parallel_layout,
     load_config,
 )
@@ -22,7 +22,7 @@ from verl_config.cli import main as config_main
 def test_defaults_are_typed_dataclasses() -> None:
     cfg = load_config(SFTConfig)
     assert isinstance(cfg, SFTConfig)
-    assert isinstance(cfg.megatron, SFTMegatronConfig)
+    assert isinstance(cfg.megatron, McoreEngineConfig)  # one schema per concept
     assert cfg.megatron.use_distributed_optimizer is True
     assert cfg.megatron.override_ddp_config == {}
     # verl's rule: sequence_parallel is forced off when TP == 1

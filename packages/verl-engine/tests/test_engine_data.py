@@ -8,7 +8,7 @@ import torch
 from verl_config import ConfigKeyError
 from verl_engine.cli import main as engine_main
 from verl_engine.cli import parse_train_args
-from verl_engine.data import ArithmeticDataset, CharTokenizer
+from verl_engine.demo import ArithmeticDataset, CharTokenizer
 from verl_engine.engine import lr_at_step
 
 

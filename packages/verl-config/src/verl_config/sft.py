@@ -2,7 +2,8 @@
 
 Key names follow verl's trainer config (``megatron.tensor_model_parallel_size``,
 ``megatron.override_ddp_config``, ``optim.lr``, ``data.train_batch_size`` ...) so that users keep
-their command lines. Every dataclass validates itself in ``__post_init__`` and raises
+their command lines; the ``megatron`` section IS verl-config's :class:`McoreEngineConfig` (one schema
+per concept: the same keys, defaults, rules and converters as ``actor_rollout_ref.actor.megatron``). Every dataclass validates itself in ``__post_init__`` and raises
 ConfigValueError naming the key, like megatron-core's TransformerConfig does.
 """
 
@@ -11,15 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_config.engines import DTYPES, PACKED_ATTENTION_BACKENDS
+from verl_config.engines import McoreEngineConfig
 from verl_config.errors import ConfigValueError
-from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
+from verl_config.validation import check_choice, check_positive
 
 __all__ = [
     "MODEL_PRESETS",
     "SFTConfig",
     "SFTDataConfig",
-    "SFTMegatronConfig",
     "SFTModelConfig",
     "SFTOptimConfig",
     "SFTTrainerConfig",
@@ -47,49 +47,6 @@ class SFTModelConfig:
 
 
 @dataclass
-class SFTMegatronConfig:
-    """The Megatron engine section (subset needed by the training slice; defaults as in verl)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = True
-    use_distributed_optimizer: bool = True
-    use_megatron_fsdp: bool = False
-    dynamic_context_parallel: bool = False
-    max_seqlen_per_dp_cp_rank: int | None = None
-    packed_attention_backend: str = "auto"
-    override_ddp_config: dict[str, Any] = field(default_factory=dict)
-    override_transformer_config: dict[str, Any] = field(default_factory=dict)
-    seed: int = 42
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            check_positive(key, getattr(self, key))
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("packed_attention_backend", self.packed_attention_backend, PACKED_ATTENTION_BACKENDS)
-        check_dynamic_context_parallel(
-            dynamic_context_parallel=self.dynamic_context_parallel,
-            max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
-        )
-        if self.use_megatron_fsdp and not self.use_distributed_optimizer:
-            raise ConfigValueError(
-                "use_distributed_optimizer",
-                "is false but use_megatron_fsdp is true; Megatron-FSDP shards the optimizer state, so it requires"
-                " the distributed optimizer: remove the setting or set use_megatron_fsdp=false",
-            )
-        if self.pipeline_model_parallel_size > 1:
-            raise ConfigValueError(
-                "pipeline_model_parallel_size",
-                f"pipeline parallelism ({self.pipeline_model_parallel_size}) is not supported by this engine yet; set it to 1",
-            )
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            # Same rule as verl: sequence parallel only means something with TP > 1.
-            self.sequence_parallel = False
-
-
-@dataclass
 class SFTOptimConfig:
     """Optimizer (Adam with decoupled weight decay) and learning-rate schedule."""
 
@@ -114,6 +71,23 @@ class SFTOptimConfig:
         check_positive("clip_grad", self.clip_grad, allow_zero=True)
         check_positive("lr_warmup_steps", self.lr_warmup_steps, allow_zero=True)
         check_choice("lr_decay_style", self.lr_decay_style, ("constant", "cosine", "linear"))
+
+    def optimizer_config_kwargs(self, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
+        """Keyword arguments for megatron-core's ``OptimizerConfig`` (Adam; the engine sets the lr per step)."""
+        return {
+            "optimizer": "adam",
+            "lr": self.lr,
+            "min_lr": self.min_lr,
+            "weight_decay": self.weight_decay,
+            "adam_beta1": self.betas[0],
+            "adam_beta2": self.betas[1],
+            "adam_eps": self.eps,
+            "clip_grad": self.clip_grad,
+            "bf16": dtype == "bfloat16",
+            "fp16": dtype == "float16",
+            "params_dtype": dtype,
+            "use_distributed_optimizer": use_distributed_optimizer,
+        }
 
 
 @dataclass
@@ -153,7 +127,7 @@ class SFTConfig:
     """Entry config of ``verl-engine train``: an SFT run on the Megatron engine."""
 
     model: SFTModelConfig = field(default_factory=SFTModelConfig)
-    megatron: SFTMegatronConfig = field(default_factory=SFTMegatronConfig)
+    megatron: McoreEngineConfig = field(default_factory=McoreEngineConfig)
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

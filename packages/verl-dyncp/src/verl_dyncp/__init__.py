@@ -10,7 +10,8 @@ Public API:
   loss normalisation by the global token count; static CP is the same with a fixed size.
 * attention: :class:`DynCPCoreAttention` / :func:`dyncp_core_attention` (megatron-core core attention for THD +
   a CP group that may change on every call, RoPE from true positions, no Transformer Engine),
-  :func:`attach_cp_context`, :func:`thd_layer_spec`, :func:`build_thd_gpt_model`.
+  :func:`attach_cp_context`, :func:`thd_layer_spec`, :func:`build_thd_gpt_model` and its model provider
+  :class:`THDGPTModelProvider` (for verl-mcore-utils' ``make_megatron_module``).
 * Transformer Engine (optional): :func:`te_core_attention` (TE's fused attention and ring CP on the same
   batches and groups, ``kernel="te"`` in thd_layer_spec / build_thd_gpt_model), :func:`te_attention_available`.
 
@@ -51,6 +52,7 @@ _LAZY = {
     "DynCPCoreAttention": "verl_dyncp.attention",
     "dyncp_core_attention": "verl_dyncp.attention",
     "thd_layer_spec": "verl_dyncp.model",
+    "THDGPTModelProvider": "verl_dyncp.model",
     "build_thd_gpt_model": "verl_dyncp.model",
 }
 
@@ -62,6 +64,7 @@ __all__ = [
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
     "THDBatch",
+    "THDGPTModelProvider",
     "THDPackedMeta",
     "WorkloadModel",
     "all_reduce_loss",

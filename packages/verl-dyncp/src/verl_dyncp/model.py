@@ -13,6 +13,7 @@ table for "none", ``position_ids`` passed to GPTModel.forward are ignored, and t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from verl_dyncp.attention import dyncp_core_attention  # noqa: E402
 
-__all__ = ["build_thd_gpt_model", "thd_layer_spec"]
+__all__ = ["THDGPTModelProvider", "build_thd_gpt_model", "thd_layer_spec"]
 
 
 def thd_layer_spec(
@@ -86,3 +87,32 @@ def build_thd_gpt_model(
         vp_stage=vp_stage,
         position_embedding_type="none",
     )
+
+
+@dataclass
+class THDGPTModelProvider:
+    """verl-mcore-utils model provider (``make_megatron_module``) of :func:`build_thd_gpt_model`'s model.
+
+    Sits beside verl-mcore-utils' GPTModelProvider / SpecProvider / MBridgeProvider: the same wrapping
+    (Float16Module, DDP or Megatron-FSDP, value head, LoRA hooks) then applies to the packed-sequence model.
+    One chunk per rank: pipeline stages are not built here.
+    """
+
+    hf_config: Mapping[str, Any] | Any
+    transformer_config: TransformerConfig
+    device: torch.device | str = "cuda"
+    kernel: str = "auto"
+    ddp_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def provide(self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
+        if not (pre_process and post_process) or vp_stage not in (None, 0):
+            raise ValueError(
+                "pipeline_model_parallel_size > 1: the packed-sequence model is built as one whole chunk per rank;"
+                " set pipeline_model_parallel_size=1"
+            )
+        return build_thd_gpt_model(
+            hf_config=self.hf_config,
+            tf_config=self.transformer_config,
+            device=self.device,
+            kernel=self.kernel,
+        )

@@ -10,7 +10,8 @@ Public API:
   ``kl_penalty``, the policy-loss registry; the learning-rate schedule (:mod:`verl_engine.lr_schedule`);
   vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`).
 * The SFT engine and loop of ``verl-engine train``: :class:`Engine` / :func:`build_engine`, :func:`train`,
-  packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`), the demo data set.
+  packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`). The demo data of
+  ``verl-engine train`` lives in :mod:`verl_engine.demo` (not part of the engine's API).
 
 Names load on first use (PEP 562): importing the package does not import megatron-core, so spawned test
 ranks and torch-only users start fast.
@@ -21,10 +22,8 @@ from typing import Any
 __version__ = "0.1.0.dev0"
 
 _LAZY: dict[str, str] = {
-    "ArithmeticDataset": "verl_engine.data",
     "Batch": "verl_engine.data",
     "CPLayout": "verl_engine.packed",
-    "CharTokenizer": "verl_engine.data",
     "Engine": "verl_engine.engine",
     "MicroBatching": "verl_engine.rl_engine",
     "PackedBatch": "verl_engine.packed",
@@ -37,7 +36,6 @@ _LAZY: dict[str, str] = {
     "cp_layout_from_config": "verl_engine.packed",
     "lr_at_step": "verl_engine.engine",
     "masked_loss_sum": "verl_engine.loss",
-    "megatron_loss_scale": "verl_engine.loss",
     "resolve_device": "verl_engine.trainer",
     "rl_engine_from_config": "verl_engine.build_rl",
     "split_packed_micro_batches": "verl_engine.packed",

@@ -61,6 +61,14 @@ class DebugBackend:
     def zero_grad(self, engine: Any) -> None:
         engine.optimizer.zero_grad(set_to_none=True)
 
+    @staticmethod
+    def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The reduced gradient of ``param`` (after :meth:`run`)."""
+        return param.grad
+
+    def describe(self, model: torch.nn.Module) -> str:
+        return self.name
+
     def step(self, engine: Any) -> float:
         params = [p for p in engine.model.parameters() if p.requires_grad]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
@@ -88,15 +96,30 @@ class MegatronBackend:
                 loss = torch.zeros((), device=engine.device)
             return loss, loss_func
 
+        # Without pipeline stages the schedule never sends activations, so the shapes it is given are
+        # unused (verl passes 1 / 1 too): variable sequence lengths need no padding to a common length.
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
             model=[engine.model],
             num_microbatches=n,
-            seq_length=max(int(mb.split.batch.meta.local_tokens) for mb in micro),
+            seq_length=1,
             micro_batch_size=1,
             forward_only=forward_only,
         )
+
+    @staticmethod
+    def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The reduced gradient of ``param``: megatron-core's DDP keeps it in ``main_grad``."""
+        return getattr(param, "main_grad", None)
+
+    def describe(self, model: torch.nn.Module) -> str:
+        ddp_config = getattr(model, "ddp_config", None)
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            return (
+                f"megatron (Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} + megatron optimizer)"
+            )
+        return self.name
 
     def zero_grad(self, engine: Any) -> None:
         zero = getattr(engine.model, "zero_grad_buffer", None)

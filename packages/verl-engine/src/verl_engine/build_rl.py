@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,40 +22,10 @@ from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.packed import cp_layout_from_config
 from verl_engine.rl_engine import MicroBatching, RLEngine
 
-__all__ = ["ROLES", "THDModelProvider", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
+__all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
 
 ROLES = ("actor", "ref", "critic")
 _NO_BUDGET = 1 << 40  # the CP layout's token budget is not used: MicroBatching cuts the micro-batches
-
-
-@dataclass
-class THDModelProvider:
-    """verl-mcore-utils model provider of a GPTModel that takes packed (THD) batches (verl-dyncp attention)."""
-
-    transformer_config: Any
-    hf_config: Any
-    device: torch.device
-    kernel: str = "auto"
-    ddp_defaults: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        self.ddp_defaults = dict(self.ddp_defaults or {})
-
-    def provide(
-        self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None
-    ) -> torch.nn.Module:
-        if not (pre_process and post_process) or vp_stage not in (None, 0):
-            raise ValueError(
-                "pipeline_model_parallel_size > 1 is not supported by the RL engine yet (one whole model chunk)"
-            )
-        from verl_dyncp.model import build_thd_gpt_model
-
-        return build_thd_gpt_model(
-            hf_config=self.hf_config,
-            tf_config=self.transformer_config,
-            device=self.device,
-            kernel=self.kernel,
-        )
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -147,8 +116,10 @@ def build_rl_engine(
         overrides=_transformer_overrides(engine.override_transformer_config),
     )
     torch.manual_seed(engine.seed)
-    provider = THDModelProvider(
-        transformer_config=tf_config, hf_config=hf, device=device, kernel=engine.packed_attention_backend
+    from verl_dyncp.model import THDGPTModelProvider
+
+    provider = THDGPTModelProvider(
+        hf_config=hf, transformer_config=tf_config, device=device, kernel=engine.packed_attention_backend
     )
     trains = optim is not None and not engine.forward_only
     if debug:
@@ -313,6 +284,7 @@ def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug:
     kwargs = optim.optimizer_config_kwargs(
         dtype=engine.dtype, use_distributed_optimizer=engine.use_distributed_optimizer
     )
+    kwargs["params_dtype"] = tf_config.params_dtype  # verl-config is torch-free: it names the dtype
     optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
     attach_training_hooks(chunks, optimizer)
     return optimizer

@@ -10,8 +10,9 @@ Two backends run the same megatron-core GPTModel code:
   float32; gradients are summed over DP with plain all-reduces. megatron-core's DDP buffers,
   optimizers and schedules hard-code CUDA, so this is how the model code is exercised without a GPU.
 
-Both compute the same objective (verl_engine.loss), so a debug run on N gloo processes and a
-single-process run give the same gradients.
+Both are :mod:`verl_engine.backends` objects (shared with the RL engine): the engine's methods delegate
+to them instead of branching. Both compute the same objective (verl_engine.loss), so a debug run on N
+gloo processes and a single-process run give the same gradients.
 
 Two input forms: padded ``Batch`` micro-batches (``train_step``) and, when the engine is built with a
 :class:`verl_engine.packed.CPLayout`, packed sequences (``train_step_packed`` / ``compute_log_probs``)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from verl_config import SFTConfig
+from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.data import Batch
-from verl_engine.loss import masked_loss_sum, megatron_loss_scale
+from verl_engine.loss import masked_loss_sum
 from verl_engine.packed import CPLayout, PackedBatch, split_packed_micro_batches
 from verl_mcore_utils.compat import import_megatron_core, make_megatron_optimizer
 from verl_mcore_utils.ddp import WrapConfig
-from verl_mcore_utils.model import build_gpt_model
-from verl_mcore_utils.module import attach_training_hooks, make_megatron_module
+from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
 from verl_mcore_utils.parallel import ParallelDims
 from verl_mcore_utils.transformer_config import hf_to_transformer_config
 
@@ -86,20 +87,18 @@ class Engine:
         *,
         model: torch.nn.Module,
         optimizer: Any,
+        runner: DebugBackend | MegatronBackend,
         dims: ParallelDims,
         device: torch.device,
-        debug: bool,
-        clip_grad: float,
         cp_layout: CPLayout | None = None,
         cp_groups: Any = None,
         cp_workload: WorkloadModel | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.runner = runner
         self.dims = dims
         self.device = device
-        self.debug = debug
-        self.clip_grad = clip_grad
         self.cp_layout = cp_layout
         self.cp_groups = cp_groups
         # verl_dyncp.WorkloadModel the planner balances (attention L^2 + dense layers ~ 12 h L per
@@ -107,15 +106,13 @@ class Engine:
         self.cp_workload = cp_workload
 
     @property
+    def debug(self) -> bool:
+        """True on the CPU debug backend (no megatron DDP / optimizer / schedule)."""
+        return isinstance(self.runner, DebugBackend)
+
+    @property
     def backend(self) -> str:
-        if self.debug:
-            return "debug (CPU, gloo, no DDP, torch AdamW, fp32)"
-        ddp_config = getattr(self.model, "ddp_config", None)
-        if getattr(ddp_config, "use_megatron_fsdp", False):
-            return (
-                f"megatron (Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} + megatron optimizer)"
-            )
-        return "megatron (DDP + megatron optimizer)"
+        return self.runner.describe(self.model)
 
     def describe(self) -> dict[str, Any]:
         """What actually runs: wrapper, optimizer classes and the DDP settings in effect."""
@@ -286,7 +283,7 @@ class Engine:
         """Reduced gradients by parameter name (``main_grad`` under megatron DDP), as fp32 CPU copies."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
-            grad = getattr(p, "main_grad", None) if not self.debug else p.grad
+            grad = self.runner.gradient(p)
             if grad is not None:
                 # DDP and Float16Module each add one "module." in front of the GPTModel's names.
                 out[name.removeprefix("module.").removeprefix("module.")] = (
@@ -296,14 +293,7 @@ class Engine:
 
     def optimizer_step(self) -> float:
         """Clip, step the optimizer; return the gradient norm before clipping."""
-        if not self.debug:
-            _, grad_norm, _ = self.optimizer.step()
-            return float(grad_norm) if grad_norm is not None else float("nan")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer.step()
-        return grad_norm
+        return self.runner.step(self)
 
     def train_step(self, micro_batches: list[Batch], *, lr: float) -> StepMetrics:
         """One optimizer step over this rank's micro-batches at learning rate ``lr``."""
@@ -348,68 +338,24 @@ class Engine:
         seq_length: int,
         micro_batch_size: int,
     ) -> float:
-        if self.debug:
-            return self._debug_backward(items, forward, global_tokens)
-        return self._megatron_backward(
-            items, forward, global_tokens, seq_length=seq_length, micro_batch_size=micro_batch_size
-        )
+        """Forward + backward of every item through the backend; returns this rank's masked loss sum.
 
-    def _debug_backward(
-        self,
-        items: Sequence[Any],
-        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
-        global_tokens: float,
-    ) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for item in items:
-            s = masked_loss_sum(*forward(self.model, item))
-            (s / global_tokens).backward()
-            loss_sum += float(s.detach())
-        if self.dims.dp > 1:
-            group = parallel_state.get_data_parallel_group()
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    if p.grad is None:  # every rank must join every all-reduce
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=group)
-        return loss_sum
+        Each item's loss is its masked sum over the GLOBAL token count times the pool size: both backends
+        average gradients over the pool (DDP / the debug all-reduce), so the result is the gradient of
+        the global token mean.
+        """
+        del seq_length, micro_batch_size  # shapes are not needed without pipeline stages
+        pool = self.dims.dp
+        sums: list[torch.Tensor] = []
 
-    def _megatron_backward(
-        self,
-        items: Sequence[Any],
-        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
-        global_tokens: float,
-        *,
-        seq_length: int,
-        micro_batch_size: int,
-    ) -> float:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        def step(item: Any, model: torch.nn.Module) -> torch.Tensor:
+            s = masked_loss_sum(*forward(model, item))
+            sums.append(s.detach())
+            return s / global_tokens * pool
 
-        scale = megatron_loss_scale(num_microbatches=len(items), dp_size=self.dims.dp)
-
-        def loss_func(
-            loss_mask: torch.Tensor, output_tensor: torch.Tensor
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            s = masked_loss_sum(output_tensor, loss_mask)
-            return s / global_tokens * scale, {"loss_sum": s.detach()}
-
-        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-            out, loss_mask = forward(model, next(data_iterator))
-            return out, partial(loss_func, loss_mask)
-
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(items),
-            model=[self.model],
-            num_microbatches=len(items),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
-        return float(sum(float(r["loss_sum"]) for r in reduced))
+        self.runner.zero_grad(self)
+        self.runner.run(self, items, step, forward_only=False)
+        return float(sum(float(s) for s in sums))
 
     def train_step_packed(self, batch: PackedBatch, *, lr: float) -> StepMetrics:
         """One optimizer step over a packed global batch (see :meth:`compute_gradients_packed`)."""
@@ -452,7 +398,7 @@ def build_engine(
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=dims.cp,
         sequence_parallel=m.sequence_parallel,
-        overrides=m.override_transformer_config,
+        overrides={k: v for k, v in m.override_transformer_config.items() if v is not None},
     )
     # CPU initialisation with one seed: identical weights whatever the DP / CP layout. Not across TP sizes on
     # megatron-core 0.14, which initialises TP-sharded weights differently from TP 1 (0.19 does not):
@@ -460,23 +406,39 @@ def build_engine(
     torch.manual_seed(m.seed)
     cp_groups = None
     cp_workload: WorkloadModel | None = None
+    provider: Any
     if cp_layout is None:
-        model = build_gpt_model(hf_config=hf_config, tf_config=tf_config, device=device)
+        provider = GPTModelProvider(hf_config=hf_config, transformer_config=tf_config, device=device)
     else:
-        from verl_dyncp.model import build_thd_gpt_model
+        from verl_dyncp.model import THDGPTModelProvider
         from verl_dyncp.planner import WorkloadModel
 
-        model = build_thd_gpt_model(
-            hf_config=hf_config, tf_config=tf_config, device=device, kernel=m.packed_attention_backend
+        provider = THDGPTModelProvider(
+            hf_config=hf_config,
+            transformer_config=tf_config,
+            device=device,
+            kernel=m.packed_attention_backend,
         )
         cp_groups = _pool_cp_groups()
         cp_workload = WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size)
-    # What both backends' engines share; each adds its model, optimizer and backend flag.
+    # One wrapping path for every backend: verl-mcore-utils' make_megatron_module (Float16Module, DDP config
+    # from build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP, with verl-config's converter of the
+    # megatron section; the CPU debug backend takes the unwrapped chunk.
+    wrap = WrapConfig(**{**m.wrap_config_kwargs(), "wrap_with_ddp": not debug})
+    if m.use_megatron_fsdp and not debug:
+        from verl_mfsdp.wrap import make_megatron_fsdp_module, make_megatron_fsdp_optimizer
+
+        chunks = make_megatron_fsdp_module(
+            provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config
+        )
+    else:
+        chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config)
+    model = chunks[0]
     make_engine = partial(
         Engine,
+        model=model,
         dims=dims,
         device=device,
-        clip_grad=o.clip_grad,
         cp_layout=cp_layout,
         cp_groups=cp_groups,
         cp_workload=cp_workload,
@@ -491,61 +453,24 @@ def build_engine(
             betas=(o.betas[0], o.betas[1]),
             eps=o.eps,
         )
-        return make_engine(model=model, optimizer=optimizer, debug=True)
+        runner = DebugBackend(
+            clip_grad=o.clip_grad, pool_group=parallel_state.get_data_parallel_group(), pool_size=dims.dp
+        )
+        return make_engine(optimizer=optimizer, runner=runner)
 
     from megatron.core.optimizer import OptimizerConfig
 
-    # The engine's model goes through verl-mcore-utils' one wrapping path (Float16Module, DDP config from
-    # build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP wrapping: the same flags mean the same here.
-    provider = _BuiltModel(transformer_config=tf_config, model=model)
-    wrap = WrapConfig(
-        use_distributed_optimizer=m.use_distributed_optimizer, use_megatron_fsdp=m.use_megatron_fsdp
+    kwargs = o.optimizer_config_kwargs(
+        dtype=m.dtype, use_distributed_optimizer=model.ddp_config.use_distributed_optimizer
     )
-    if m.use_megatron_fsdp:
-        from verl_mfsdp.wrap import make_megatron_fsdp_module, make_megatron_fsdp_optimizer
-
-        chunks = make_megatron_fsdp_module(
-            provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config
-        )
-    else:
-        chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config)
-    ddp_model = chunks[0]
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.betas[0],
-        adam_beta2=o.betas[1],
-        adam_eps=o.eps,
-        clip_grad=o.clip_grad,
-        bf16=tf_config.bf16,
-        fp16=tf_config.fp16,
-        params_dtype=tf_config.params_dtype,
-        use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
-    )
+    kwargs["params_dtype"] = tf_config.params_dtype  # verl-config is torch-free: it names the dtype
+    opt_config = OptimizerConfig(**kwargs)
     if m.use_megatron_fsdp:
         optimizer = make_megatron_fsdp_optimizer(opt_config, chunks)
     else:
         optimizer = make_megatron_optimizer(opt_config, chunks)
     attach_training_hooks(chunks, optimizer)
-    return make_engine(model=ddp_model, optimizer=optimizer, debug=False)
-
-
-@dataclass
-class _BuiltModel:
-    """A model provider over the one model the engine built (seeded, on its device) for the wrappers."""
-
-    transformer_config: Any
-    model: torch.nn.Module
-    ddp_defaults: Mapping[str, Any] = field(default_factory=dict)
-
-    def provide(
-        self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None
-    ) -> torch.nn.Module:
-        if not (pre_process and post_process) or vp_stage not in (None, 0):
-            raise ValueError("the engine builds one whole model chunk (no pipeline parallelism)")
-        return self.model
+    return make_engine(optimizer=optimizer, runner=MegatronBackend())
 
 
 def _pool_cp_groups() -> Any:

@@ -2,16 +2,16 @@
 
 The training objective is the mean token loss over the GLOBAL batch: sum of masked per-token
 losses over every micro-batch of every DP rank, divided by the global count of loss tokens. Each
-micro-batch contributes ``masked_sum / global_tokens``; the megatron-core path multiplies that by
-``num_microbatches x dp_size`` because megatron's schedule divides by the number of micro-batches and
-its DDP averages gradients over DP (verl-features.md, section 3).
+micro-batch contributes ``masked_sum / global_tokens``, times the DP size because both backends average
+gradients over DP (:mod:`verl_engine.backends`; the megatron one also undoes its schedule's
+1 / num_microbatches).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["masked_loss_sum", "megatron_loss_scale"]
+__all__ = ["masked_loss_sum"]
 
 
 def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -21,8 +21,3 @@ def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> to
             f"per-token loss shape {tuple(per_token_loss.shape)} != loss mask shape {tuple(loss_mask.shape)}"
         )
     return (per_token_loss.float() * loss_mask.float()).sum()
-
-
-def megatron_loss_scale(*, num_microbatches: int, dp_size: int) -> float:
-    """Factor that undoes megatron-core's 1/num_microbatches (schedule) and 1/dp (DDP average)."""
-    return float(num_microbatches * dp_size)

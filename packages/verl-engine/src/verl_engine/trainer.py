@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_config import SFTConfig
-from verl_engine.data import ArithmeticDataset, CharTokenizer
+from verl_engine.demo import ArithmeticDataset, CharTokenizer
 from verl_engine.engine import build_engine, lr_at_step
 from verl_engine.packed import cp_layout_from_config
 from verl_mcore_utils.compat import mcore_version
