@@ -202,14 +202,26 @@ def build_thd_meta(
     cp_rank: int,
     tp_size: int = 1,
     device: torch.device | str | None = None,
+    padded_lens: Sequence[int] | None = None,
 ) -> THDPackedMeta:
-    """The zigzag layout of CP rank ``cp_rank`` for sequences of ``seq_lens`` tokens (lengths only)."""
+    """The zigzag layout of CP rank ``cp_rank`` for sequences of ``seq_lens`` tokens (lengths only).
+
+    Sequences are padded to the alignment ``tp * cp * 2``, or to ``padded_lens`` when given (the lengths a
+    batch was already padded to, e.g. ``cu_seqlens_q_padded`` of megatron's PackedSeqParams; multiples of
+    ``2 * cp`` under CP): the attention builds its view of the same layout from those.
+    """
     lens_t = _as_lens(seq_lens)
     align = thd_alignment(cp_size=cp_size, tp_size=tp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
     lens = torch.tensor(lens_t, dtype=torch.int64)
-    padded = (lens + align - 1) // align * align
+    if padded_lens is None:
+        padded = (lens + align - 1) // align * align
+    else:
+        align = 1 if cp_size == 1 else 2 * cp_size
+        padded = torch.tensor([int(p) for p in padded_lens], dtype=torch.int64)
+        if padded.shape != lens.shape:
+            raise ValueError(f"{len(padded)} padded lengths for {len(lens_t)} sequences")
     local_lens = padded // cp_size
     chunk = padded if cp_size == 1 else padded // (2 * cp_size)
     cu, cu_pad, cu_local = _cu(lens), _cu(padded), _cu(local_lens)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_dyncp.rope import apply_rope
+from verl_dyncp.thd import build_thd_meta
 
 __all__ = [
     "CPContext",
@@ -168,18 +169,6 @@ class ThdLayout:
     max_seqlen_k: int
 
 
-def _local_chunk_positions(padded: int, *, cp_size: int, cp_rank: int) -> torch.Tensor:
-    if cp_size == 1:
-        return torch.arange(padded)
-    h = padded // (2 * cp_size)
-    return torch.cat(
-        (
-            torch.arange(cp_rank * h, (cp_rank + 1) * h),
-            torch.arange(padded - (cp_rank + 1) * h, padded - cp_rank * h),
-        )
-    )
-
-
 def thd_layout(
     packed_seq_params: Any, *, cp_size: int, cp_rank: int, device: torch.device | str
 ) -> ThdLayout:
@@ -237,55 +226,43 @@ def build_thd_layout(
                 f"sequence {i}: padded length {p} is not a multiple of 2 x cp_size = {2 * cp_size}; pad with"
                 " preprocess_thd_engine (alignment tp * cp * 2)"
             )
-    num_local = sum(padded) // cp_size
-    local_starts, full_starts, pos, valid, full_parts, stream_parts = [], [], [], [], [], []
-    q_lens: list[int] = []
-    k_lens: list[int] = []
-    loc = 0
-    for p, t, start in zip(padded, true, cu_padded[:-1], strict=True):
-        local_starts.append(loc)
-        full_starts.append(start - cu_padded[0])
-        positions = _local_chunk_positions(p, cp_size=cp_size, cp_rank=cp_rank)
-        pos.append(positions)
-        valid.append(positions < t)
-        if cp_size == 1:
-            q_lens.append(p)
-            k_lens.append(p)
-        else:
-            h = p // (2 * cp_size)
-            global_pos = torch.arange(p)
-            chunk = global_pos // h
-            first_half = chunk < cp_size
-            owner = torch.where(first_half, chunk, 2 * cp_size - 1 - chunk)
-            offset = global_pos - chunk * h + torch.where(first_half, 0, h)
-            rows = owner * num_local + loc + offset  # row in the rank-major gathered buffer
-            full_parts.append(rows)
-            first_end, second_end = (cp_rank + 1) * h, p - cp_rank * h
-            stream_parts.extend((rows[:first_end], rows[:second_end]))
-            q_lens.extend((h, h))
-            k_lens.extend((first_end, second_end))
-        loc += p // cp_size
+    # One computation of the zigzag layout (verl-dyncp's THDPackedMeta, the planner's own); this is the
+    # attention's view of it: rank-major rows of the gathered K/V buffer and the key stream per query chunk.
+    meta = build_thd_meta(seq_lens=true, cp_size=cp_size, cp_rank=cp_rank, padded_lens=padded)
+    chunk = [int(c) for c in meta.chunk_lens.tolist()]
+    if cp_size == 1:
+        q_lens, k_lens = list(padded), list(padded)
+        full_index = stream_index = None
+    else:
+        kv_first = (meta.cu_seqlens_kv_first[1:] - meta.cu_seqlens_kv_first[:-1]).tolist()
+        kv_second = (meta.cu_seqlens_kv_second[1:] - meta.cu_seqlens_kv_second[:-1]).tolist()
+        q_lens = [h for c in chunk for h in (c, c)]
+        k_lens = [k for pair in zip(kv_first, kv_second, strict=True) for k in pair]
+        rows = meta.padded_to_gathered
+        firsts = rows[meta.kv_index_first].split(kv_first)
+        seconds = rows[meta.kv_index_second].split(kv_second)
+        full_index = rows.to(device)
+        stream_index = torch.cat([t for pair in zip(firsts, seconds, strict=True) for t in pair]).to(device)
 
     def cumsum(lens: list[int]) -> torch.Tensor:
         return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
-    layout = ThdLayout(
+    return ThdLayout(
         cp_size=cp_size,
         cp_rank=cp_rank,
-        num_local_tokens=num_local,
+        num_local_tokens=meta.local_tokens,
         padded_lens=tuple(padded),
-        local_starts=tuple(local_starts),
-        full_starts=tuple(full_starts),
-        position_ids=torch.cat(pos).to(device),
-        valid=torch.cat(valid).to(device),
-        full_index=torch.cat(full_parts).to(device) if cp_size > 1 else None,
-        stream_index=torch.cat(stream_parts).to(device) if cp_size > 1 else None,
+        local_starts=tuple(int(x) for x in meta.local_cu_seqlens[:-1].tolist()),
+        full_starts=tuple(int(x) for x in meta.cu_seqlens_padded[:-1].tolist()),
+        position_ids=meta.position_ids.to(device),
+        valid=(~meta.is_padding).to(device),
+        full_index=full_index,
+        stream_index=stream_index,
         cu_seqlens_q=cumsum(q_lens),
         cu_seqlens_k=cumsum(k_lens),
         max_seqlen_q=max(q_lens),
         max_seqlen_k=max(k_lens),
     )
-    return layout
 
 
 class _AllGatherRows(torch.autograd.Function):
