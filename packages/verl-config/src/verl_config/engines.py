@@ -22,6 +22,7 @@ __all__ = [
     "FSDPOptimConfig",
     "McoreEngineConfig",
     "McoreOptimConfig",
+    "megatron_optimizer_kwargs",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -402,18 +403,33 @@ class McoreOptimConfig:
 
     def optimizer_config_kwargs(self, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
         """Keyword arguments for megatron-core's ``OptimizerConfig`` (override_optimizer_config last)."""
-        kwargs: dict[str, Any] = {
-            "optimizer": self.optimizer,
-            "lr": self.lr,
-            "min_lr": self.min_lr,
-            "weight_decay": self.weight_decay,
-            "adam_beta1": self.betas[0],
-            "adam_beta2": self.betas[1],
-            "clip_grad": self.clip_grad,
-            "bf16": dtype == "bfloat16",
-            "fp16": dtype == "float16",
-            "params_dtype": dtype,
-            "use_distributed_optimizer": use_distributed_optimizer,
-        }
+        kwargs = megatron_optimizer_kwargs(
+            self, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer
+        )
         kwargs.update(self.override_optimizer_config or {})
         return kwargs
+
+
+def megatron_optimizer_kwargs(optim: Any, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
+    """megatron-core ``OptimizerConfig`` keywords from any optimizer section with verl's key names.
+
+    Reads ``optimizer`` (default adam), ``lr``, ``min_lr``, ``weight_decay``, ``betas``, ``clip_grad`` and,
+    when the section has it, ``eps``. ``params_dtype`` is the dtype's name: this package has no torch, so
+    the caller turns it into a ``torch.dtype``.
+    """
+    kwargs: dict[str, Any] = {
+        "optimizer": getattr(optim, "optimizer", "adam"),
+        "lr": optim.lr,
+        "min_lr": optim.min_lr,
+        "weight_decay": optim.weight_decay,
+        "adam_beta1": optim.betas[0],
+        "adam_beta2": optim.betas[1],
+        "clip_grad": optim.clip_grad,
+        "bf16": dtype == "bfloat16",
+        "fp16": dtype == "float16",
+        "params_dtype": dtype,
+        "use_distributed_optimizer": use_distributed_optimizer,
+    }
+    if getattr(optim, "eps", None) is not None:
+        kwargs["adam_eps"] = optim.eps
+    return kwargs

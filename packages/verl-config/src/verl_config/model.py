@@ -19,8 +19,8 @@ from verl_config.validation import check_choice, check_positive
 
 __all__ = [
     "BaseModelConfig",
+    "CriticModelConfig",
     "FSDPCriticModelConfig",
-    "McoreCriticModelConfig",
     "ModelConfig",
     "MtpConfig",
     "TiledMLPConfig",
@@ -121,13 +121,19 @@ class ModelConfig(BaseModelConfig):
 
 
 @dataclass
-class FSDPCriticModelConfig(BaseModelConfig):
-    """The critic's model with the FSDP engine (``critic.model``, holding ``fsdp_config``)."""
+class CriticModelConfig(BaseModelConfig):
+    """The critic's model (``critic.model``; the Megatron engine's whole section): it follows the actor's model."""
 
     path: str = "${actor_rollout_ref.model.path}"
     tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
     external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
     trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
+
+
+@dataclass
+class FSDPCriticModelConfig(CriticModelConfig):
+    """The critic's model with the FSDP engine: the same keys plus ``fsdp_config`` and FSDP's model options."""
+
     fsdp_config: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
     use_shm: bool = False
     enable_gradient_checkpointing: bool = True
@@ -137,13 +143,3 @@ class FSDPCriticModelConfig(BaseModelConfig):
     lora_alpha: float | None = None
     target_modules: Any = None
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
-
-
-@dataclass
-class McoreCriticModelConfig(BaseModelConfig):
-    """The critic's model with the Megatron engine (``critic.model``)."""
-
-    path: str = "${actor_rollout_ref.model.path}"
-    tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
-    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
-    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]

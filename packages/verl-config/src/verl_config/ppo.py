@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_config.engines import FSDPEngineConfig, FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
 from verl_config.errors import ConfigValueError
-from verl_config.model import FSDPCriticModelConfig, McoreCriticModelConfig, ModelConfig
+from verl_config.model import CriticModelConfig, FSDPCriticModelConfig, ModelConfig
 from verl_config.notes import adjusting, note
 from verl_config.profiler import GlobalProfilerConfig, ProfilerConfig
 from verl_config.reward import (
@@ -434,7 +434,7 @@ class McoreCriticConfig(CriticConfig):
     strategy: str = "megatron"
     optim: McoreOptimConfig = field(default_factory=lambda: McoreOptimConfig(lr=1e-5))
     megatron: McoreEngineConfig = field(default_factory=McoreEngineConfig)
-    model: McoreCriticModelConfig = field(default_factory=McoreCriticModelConfig)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
     data_loader_seed: int | None = "${actor_rollout_ref.actor.data_loader_seed}"  # type: ignore[assignment]
     nccl_timeout: int = 600
     load_weight: bool = True

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_config.engines import McoreEngineConfig
+from verl_config.engines import McoreEngineConfig, megatron_optimizer_kwargs
 from verl_config.errors import ConfigValueError
 from verl_config.validation import check_choice, check_positive
 
@@ -74,20 +74,9 @@ class SFTOptimConfig:
 
     def optimizer_config_kwargs(self, *, dtype: str, use_distributed_optimizer: bool) -> dict[str, Any]:
         """Keyword arguments for megatron-core's ``OptimizerConfig`` (Adam; the engine sets the lr per step)."""
-        return {
-            "optimizer": "adam",
-            "lr": self.lr,
-            "min_lr": self.min_lr,
-            "weight_decay": self.weight_decay,
-            "adam_beta1": self.betas[0],
-            "adam_beta2": self.betas[1],
-            "adam_eps": self.eps,
-            "clip_grad": self.clip_grad,
-            "bf16": dtype == "bfloat16",
-            "fp16": dtype == "float16",
-            "params_dtype": dtype,
-            "use_distributed_optimizer": use_distributed_optimizer,
-        }
+        return megatron_optimizer_kwargs(
+            self, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer
+        )
 
 
 @dataclass
