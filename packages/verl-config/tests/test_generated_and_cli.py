@@ -66,10 +66,16 @@ def test_cli_show_validate_diff(capsys) -> None:
         == 0
     )
     out = capsys.readouterr()
-    assert (
-        "strategy: megatron" in out.out
-        and "note: actor_rollout_ref.actor.megatron.sequence_parallel" in out.err
-    )
+    assert "strategy: megatron" in out.out and "max_token_len_per_gpu: 16384" in out.out  # resolved
+    # show needs no run-time keys (micro-batch sizes); validate applies the rules between keys
+    assert main(["show"]) == 0 and "ppo_micro_batch_size_per_gpu: null" in capsys.readouterr().out
+    assert main(["show", "--entry", "sft"]) == 0 and "sequence_parallel: true" in capsys.readouterr().out
+    assert main(["validate"]) == 2
+    assert "ppo_micro_batch_size_per_gpu: is null" in capsys.readouterr().err
+    assert main(["show", "actor_rollout_ref.actor.optim.lrr=1"]) == 2  # unknown keys are still refused
+    capsys.readouterr()
+    assert main(["validate", "model_engine=megatron", "actor_rollout_ref.actor.use_dynamic_bsz=true"]) == 0
+    assert "note: actor_rollout_ref.actor.megatron.sequence_parallel" in capsys.readouterr().err
     assert main(["validate", "actor_rollout_ref.actor.optim.lrr=1"]) == 2
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in capsys.readouterr().err
     assert main(["diff", "--engines", "fsdp", "megatron"]) == 0

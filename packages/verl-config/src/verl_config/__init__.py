@@ -6,7 +6,7 @@ their conversions to the keyword arguments of the lower layers, the LoRA block a
 translation, the override parser, the generated reference configs, the error types and checks.
 """
 
-from verl_config.compose import ENTRIES, default_tree, load_config
+from verl_config.compose import ENTRIES, compose_config, default_tree, load_config
 from verl_config.engines import (
     DTYPES,
     MEGATRON_FSDP_SHARDING_STRATEGIES,
@@ -111,6 +111,7 @@ __all__ = [
     "check_generated",
     "check_parallel_layout",
     "check_positive",
+    "compose_config",
     "config_notes",
     "default_tree",
     "engine_differences",

@@ -1,6 +1,6 @@
 """``verl-config``: show, validate, diff and generate trainer configs.
 
-    verl-config show [--entry ppo_trainer] [--config FILE] [--resolve] [overrides...]
+    verl-config show [--entry ppo_trainer] [--config FILE] [overrides...]
     verl-config validate [--entry ...] [--config FILE] [overrides...]
     verl-config diff --engines fsdp megatron
     verl-config generate [--check] [--dir DIR]
@@ -16,11 +16,14 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
-from verl_config.compose import ENTRIES, load_config
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from verl_config.compose import ENTRIES, compose_config, load_config
 from verl_config.errors import ConfigError, ConfigValueError
 from verl_config.generate import GENERATED_DIR, check_generated, engine_differences, write_generated
-from verl_config.loader import to_yaml
 from verl_config.notes import config_notes
 from verl_config.ppo import MODEL_ENGINES
 from verl_config.sft import SFTConfig
@@ -42,13 +45,31 @@ def _load(args: argparse.Namespace) -> object:
     return cfg
 
 
+def _show(args: argparse.Namespace) -> str:
+    """The composed config as YAML, interpolations resolved; rules between keys are left to ``validate``.
+
+    A partial config (e.g. without the micro-batch sizes a run must set) is shown as it stands, so the
+    defaults can be read before they are completed.
+    """
+    entry: Any = SFTConfig if args.entry == "sft" else args.entry
+    cfg = compose_config(entry, yaml_path=args.config, overrides=args.overrides)
+    try:
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve: show it unresolved
+        print(
+            f"verl-config: warning: {str(err).splitlines()[0]}; showing interpolations unresolved",
+            file=sys.stderr,
+        )
+        return OmegaConf.to_yaml(cfg)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-config", description="Show, validate, diff and generate trainer configs."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
-        ("show", "print the resolved config as YAML"),
+        ("show", "print the composed config as YAML (rules between keys: see validate)"),
         ("validate", "check a config, print notes"),
     ):
         p = sub.add_parser(name, help=help_text)
@@ -97,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cfg = _load(args)
+            cfg = _show(args) if args.command == "show" else _load(args)
     except (ConfigError, FileNotFoundError) as err:
         print(f"verl-config: error: {err}", file=sys.stderr)
         return 2
@@ -105,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verl-config: warning: {w.message}", file=sys.stderr)
     for text in config_notes(cfg):
         print(f"verl-config: note: {text}", file=sys.stderr)
-    print(to_yaml(cfg) if args.command == "show" else "config is valid")
+    print(cfg if args.command == "show" else "config is valid")
     return 0
 
 

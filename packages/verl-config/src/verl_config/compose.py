@@ -40,7 +40,7 @@ from verl_config.reward import McoreRewardModelConfig
 from verl_config.rollout import McoreRolloutConfig
 from verl_config.tree_cache import cached_bytes
 
-__all__ = ["ENTRIES", "default_tree", "load_config", "resolve_entry"]
+__all__ = ["ENTRIES", "compose_config", "default_tree", "load_config", "resolve_entry"]
 
 T = TypeVar("T")
 
@@ -292,6 +292,35 @@ def load_config(
     ConfigValueError (a rule, naming every key involved). Notes about adjusted values are on the
     result, see :func:`verl_config.config_notes`.
     """
+    cfg, hint = _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides)
+    config, notes = build_typed(cfg, hint=hint)
+    object.__setattr__(config, "_verl_config_notes", notes)
+    return config
+
+
+def compose_config(
+    entry: str | type[Any] = "ppo_trainer",
+    *,
+    yaml_path: str | Path | None = None,
+    yaml_text: str | None = None,
+    overrides: Sequence[str] = (),
+) -> DictConfig:
+    """The composed config tree (defaults <- YAML <- overrides, legacy keys migrated), not yet validated.
+
+    Unknown keys and values of the wrong type are refused as in :func:`load_config`; the rules between
+    keys (micro-batch sizes a run must set, layouts against the world size ...) are not applied, so a
+    partial config can be shown and completed. :func:`load_config` is this plus the typed, validated build.
+    """
+    return _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides)[0]
+
+
+def _compose(
+    entry: str | type[Any],
+    *,
+    yaml_path: str | Path | None,
+    yaml_text: str | None,
+    overrides: Sequence[str],
+) -> tuple[DictConfig, KeyHint | None]:
     parsed = [parse_override(o) for o in overrides]
     layer = read_yaml(yaml_path=yaml_path, yaml_text=yaml_text)
     if isinstance(entry, str):
@@ -300,7 +329,8 @@ def load_config(
         hint: KeyHint | None = _engine_hint(engine)
     else:
         engine = None
-        cfg = OmegaConf.structured(entry)
+        with defaults_only():  # no validation-time adjustment may be baked into the defaults
+            cfg = OmegaConf.structured(entry)
         hint = None
     if layer is not None:
         cfg = merge_layer(cfg, layer[1], origin=layer[0], hint=hint)
@@ -311,6 +341,4 @@ def load_config(
         _migrate_lora(cfg, engine=engine, explicit=explicit)
         _migrate_grad_clip(cfg, explicit=explicit)
         _migrate_warmup_style(cfg, explicit=explicit)
-    config, notes = build_typed(cfg, hint=hint)
-    object.__setattr__(config, "_verl_config_notes", notes)
-    return config
+    return cfg, hint
