@@ -146,7 +146,9 @@ def test_tensor_parallel_2_with_dynamic_cp_matches_no_cp(refs: dict) -> None:
     """TP 2 x a pool of 2 with dynamic CP (alignment 2 x TP x k), bf16: losses and log-probs within the same
     bound as the TP 1 layouts (gradients are TP shards here, compared on CPU in tests/test_engine_packed_cpu.py).
     megatron-core 0.19 initialises TP shards like TP 1 from the same seed, so both runs start equal."""
-    out = _run(4, [*BF16, *DYN2, "megatron.tensor_model_parallel_size=2", "megatron.sequence_parallel=false"], None)
+    out = _run(
+        4, [*BF16, *DYN2, "megatron.tensor_model_parallel_size=2", "megatron.sequence_parallel=false"], None
+    )
     own = _errors(refs["bf16"], refs["fp32"])
     loss = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], refs["fp32"]["losses"], strict=True))
     logp = max_rel_err(out["logp"], refs["fp32"]["logp"])
