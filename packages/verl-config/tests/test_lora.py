@@ -152,3 +152,16 @@ def test_legacy_grad_clip_is_optim_clip_grad() -> None:
             "actor_rollout_ref.actor.optim.clip_grad=2.0",
             engine="fsdp",
         )
+
+
+def test_legacy_warmup_style_is_lr_scheduler_type() -> None:
+    cfg, warned = _load("actor_rollout_ref.actor.optim.warmup_style=cosine", engine="fsdp")
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert (optim.lr_scheduler_type, optim.warmup_style) == ("cosine", None)
+    assert any("optim.warmup_style is deprecated" in w for w in warned)
+    with pytest.raises(ConfigValueError, match="two spellings of one setting"):
+        _load(
+            "actor_rollout_ref.actor.optim.warmup_style=cosine",
+            "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+            engine="fsdp",
+        )

@@ -236,44 +236,42 @@ def _show(value: Any) -> str:
     )
 
 
-def _migrate_grad_clip(cfg: DictConfig, *, explicit: set[str]) -> None:
-    """verl's FSDP ``grad_clip`` is the legacy spelling of ``optim.clip_grad`` (both default to 1.0).
-
-    Only a value the user wrote is moved: the default of the legacy key must not overwrite a
-    ``clip_grad`` given in the canonical spelling.
-    """
-    for role_path in ("actor_rollout_ref.actor", "critic"):
-        role = OmegaConf.select(cfg, role_path)
-        legacy = f"{role_path}.grad_clip"
-        if "grad_clip" not in role or legacy not in explicit or role.grad_clip is None:
-            continue
-        canonical = f"{role_path}.optim.clip_grad"
-        if canonical in explicit and role.optim.clip_grad != role.grad_clip:
-            raise ConfigValueError(
-                legacy,
-                f"is {role.grad_clip} but {canonical} is {role.optim.clip_grad}: two spellings of one setting;"
-                f" keep {canonical} only",
-            )
-        warn_once(f"{legacy} is deprecated; write {canonical}")
-        role.optim.clip_grad = role.grad_clip
+def _migrate_legacy_spellings(cfg: DictConfig, *, explicit: set[str]) -> None:
+    """verl's deprecated FSDP spellings: ``grad_clip`` -> ``optim.clip_grad``, ``optim.warmup_style`` ->
+    ``optim.lr_scheduler_type`` (of the actor and the critic)."""
+    for role in ("actor_rollout_ref.actor", "critic"):
+        # grad_clip defaults to 1.0 like clip_grad, so its default must not overwrite a given clip_grad
+        _move_spelling(
+            cfg, legacy=f"{role}.grad_clip", canonical=f"{role}.optim.clip_grad", explicit=explicit
+        )
+        _move_spelling(
+            cfg,
+            legacy=f"{role}.optim.warmup_style",
+            canonical=f"{role}.optim.lr_scheduler_type",
+            explicit=explicit,
+            clear=True,
+        )
 
 
-def _migrate_warmup_style(cfg: DictConfig, *, explicit: set[str]) -> None:
-    """verl's FSDP ``optim.warmup_style`` is the deprecated spelling of ``optim.lr_scheduler_type``."""
-    for role_path in ("actor_rollout_ref.actor", "critic"):
-        optim = OmegaConf.select(cfg, f"{role_path}.optim")
-        if "warmup_style" not in optim or optim.warmup_style is None:
-            continue
-        legacy, canonical = f"{role_path}.optim.warmup_style", f"{role_path}.optim.lr_scheduler_type"
-        if canonical in explicit and optim.lr_scheduler_type != optim.warmup_style:
-            raise ConfigValueError(
-                legacy,
-                f"is {optim.warmup_style!r} but {canonical} is {optim.lr_scheduler_type!r}: two spellings of one"
-                f" setting; keep {canonical} only",
-            )
-        warn_once(f"{legacy} is deprecated; write {canonical}")
-        optim.lr_scheduler_type = optim.warmup_style
-        optim.warmup_style = None
+def _move_spelling(
+    cfg: DictConfig, *, legacy: str, canonical: str, explicit: set[str], clear: bool = False
+) -> None:
+    """Move a value the user wrote under ``legacy`` to ``canonical`` (warns once); both given and different
+    is an error naming both. ``clear``: set the legacy key back to null ("not given") afterwards."""
+    parent, _, leaf = legacy.rpartition(".")
+    section = OmegaConf.select(cfg, parent)
+    if leaf not in section or legacy not in explicit or section[leaf] is None:
+        return
+    value, current = section[leaf], OmegaConf.select(cfg, canonical)
+    if canonical in explicit and current != value:
+        raise ConfigValueError(
+            legacy,
+            f"is {value!r} but {canonical} is {current!r}: two spellings of one setting; keep {canonical} only",
+        )
+    warn_once(f"{legacy} is deprecated; write {canonical}")
+    OmegaConf.update(cfg, canonical, value, merge=False)
+    if clear:
+        section[leaf] = None
 
 
 def load_config(
@@ -339,6 +337,5 @@ def _compose(
     if engine is not None:
         explicit = explicit_keys(layer[1] if layer else None, parsed)
         _migrate_lora(cfg, engine=engine, explicit=explicit)
-        _migrate_grad_clip(cfg, explicit=explicit)
-        _migrate_warmup_style(cfg, explicit=explicit)
+        _migrate_legacy_spellings(cfg, explicit=explicit)
     return cfg, hint

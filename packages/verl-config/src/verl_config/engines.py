@@ -263,6 +263,13 @@ class McoreEngineConfig:
         fields.update(self.override_transformer_config)
         return fields
 
+    def given_transformer_overrides(self) -> dict[str, Any]:
+        """``override_transformer_config`` without verl's null placeholders (``recompute_method: null`` ...).
+
+        A null there means "not set" in verl's defaults: megatron-core's own default must stay.
+        """
+        return {k: v for k, v in self.override_transformer_config.items() if v is not None}
+
     def ddp_config_overrides(self) -> dict[str, Any]:
         """The user's ``override_ddp_config`` (verl-mcore-utils' build_ddp_config applies the precedence)."""
         return dict(self.override_ddp_config)

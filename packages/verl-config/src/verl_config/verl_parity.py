@@ -283,7 +283,7 @@ def compare_with_verl(
             out.append(Mismatch("default", engine, key, verl=value, ours=our_leaves[key]))
     verl_sections = set(_sections(verl_tree))
     for key, value in our_leaves.items():
-        if key in verl_leaves or any(key.startswith(s + ".") and s in verl_leaves for s in _prefixes(key)):
+        if key in verl_leaves or any(prefix in verl_leaves for prefix in _prefixes(key)):
             continue
         if not _dataclass_only(key, targets, classes):
             out.append(Mismatch("ours_only", engine, key, ours=value))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from verl_engine.backends import DebugBackend, MegatronBackend
+from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
 from verl_engine.packed import cp_layout_from_config
 from verl_engine.rl_engine import MicroBatching, RLEngine
 
@@ -113,7 +113,7 @@ def build_rl_engine(
         pipeline_model_parallel_size=1,
         context_parallel_size=1,
         sequence_parallel=engine.sequence_parallel and tp > 1,
-        overrides=_transformer_overrides(engine.override_transformer_config),
+        overrides=engine.given_transformer_overrides(),
     )
     torch.manual_seed(engine.seed)
     from verl_dyncp.model import THDGPTModelProvider
@@ -122,17 +122,15 @@ def build_rl_engine(
         hf_config=hf, transformer_config=tf_config, device=device, kernel=engine.packed_attention_backend
     )
     trains = optim is not None and not engine.forward_only
-    if debug:
-        wrap = WrapConfig(is_value_model=value_model, wrap_with_ddp=False)
-    else:
-        wrap = WrapConfig(**engine.wrap_config_kwargs(is_value_model=value_model))
-        if not trains:
-            wrap = WrapConfig(
-                **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": False}
-            )
+    # DDP only for a role that trains on the megatron backend (the CPU debug backend takes the bare chunk).
+    wrap = WrapConfig(
+        **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": trains and not debug}
+    )
     chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config)
-    if model_path:
-        _load_weights(chunks, model_path, hf_config=hf, value_model=value_model)
+    if model_path:  # a critic's value head keeps its initialisation (load_hf_weights skips it)
+        from verl_mcore_utils.weights import load_hf_weights
+
+        load_hf_weights(chunks, model_path, hf_config=hf)
     model = chunks[0]
     optimizer, lr_schedule = None, None
     if trains:
@@ -218,62 +216,14 @@ def _is_dir(path: str | None) -> bool:
     return bool(path) and Path(os.path.expanduser(str(path))).is_dir()
 
 
-def _transformer_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """verl's override_transformer_config without its null placeholders (megatron's defaults stay)."""
-    return {k: v for k, v in dict(overrides).items() if v is not None}
-
-
-def _load_weights(
-    chunks: list[torch.nn.Module], path: str, *, hf_config: Mapping[str, Any], value_model: bool
-) -> None:
-    from verl_mcore_utils.weights import load_hf_weights
-
-    if not value_model:
-        load_hf_weights(chunks, path, hf_config=hf_config)
-        return
-    # The critic: the HF checkpoint's backbone; its value head keeps its own initialisation.
-    from verl_mcore_utils.module import unwrap_model
-
-    inner = unwrap_model(chunks[0])
-    head = inner.output_layer
-    inner.output_layer = _TemporaryLMHead(
-        hf_config, device=next(head.parameters()).device, dtype=head.weight.dtype
-    )
-    try:
-        load_hf_weights(chunks, path, hf_config=hf_config)
-    finally:
-        inner.output_layer = head
-
-
-class _TemporaryLMHead(torch.nn.Module):
-    """Stands in for the LM head while the critic's backbone is loaded (the head's weights are dropped)."""
-
-    def __init__(self, hf_config: Mapping[str, Any], *, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        vocab = int(hf_config["vocab_size"])
-        self.weight = torch.nn.Parameter(
-            torch.empty(((vocab + tp - 1) // tp, int(hf_config["hidden_size"])), device=device, dtype=dtype)
-        )
-
-
 def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug: bool, tf_config: Any) -> Any:
     if debug:
-        decay, no_decay = [], []
-        for name, p in chunks[0].named_parameters():
-            if not p.requires_grad:
-                continue
-            (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
         extra = dict(optim.override_optimizer_config or {})  # megatron OptimizerConfig names, as on GPU
-        return torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": optim.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
+        return debug_adamw(
+            chunks[0],
             lr=optim.lr,
-            betas=(optim.betas[0], optim.betas[1]),
+            weight_decay=optim.weight_decay,
+            betas=optim.betas,
             eps=float(extra.get("adam_eps", 1e-8)),
         )
     from megatron.core.optimizer import OptimizerConfig

@@ -31,10 +31,17 @@ import torch
 import torch.distributed as dist
 
 from verl_config import SFTConfig
-from verl_engine.backends import DebugBackend, MegatronBackend
+from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
 from verl_engine.data import Batch
 from verl_engine.loss import masked_loss_sum
-from verl_engine.packed import CPLayout, PackedBatch, split_packed_micro_batches
+from verl_engine.packed import (
+    CPLayout,
+    PackedBatch,
+    PlannedMicroBatch,
+    check_same_batch_on_every_rank,
+    plan_micro_batches,
+    split_packed_micro_batches,
+)
 from verl_mcore_utils.compat import import_megatron_core, make_megatron_optimizer
 from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
@@ -72,11 +79,6 @@ def lr_at_step(
     if style == "linear":
         return min_lr + (lr - min_lr) * (1.0 - progress)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """megatron-core's default: no weight decay on biases and 1-D parameters (norm weights)."""
-    return name.endswith(".bias") or param.ndim == 1
 
 
 class Engine:
@@ -163,13 +165,10 @@ class Engine:
                 "the global batch has no loss tokens (every loss_mask is 0); nothing to train on"
             )
         micro_batches = [mb.to(self.device) for mb in micro_batches]
-        first = micro_batches[0]
         loss_sum = self._backward(
             micro_batches,
             self._padded_forward,
             global_tokens=global_tokens,
-            seq_length=first.input_ids.shape[1],
-            micro_batch_size=first.batch_size,
         )
         return self._global_count(loss_sum) / global_tokens, int(global_tokens)
 
@@ -190,8 +189,6 @@ class Engine:
             prepared,
             self._packed_forward,
             global_tokens=float(global_tokens),
-            seq_length=max(p[1].batch.meta.local_tokens for p in prepared),
-            micro_batch_size=1,
         )
         return self._global_count(loss_sum) / global_tokens, global_tokens
 
@@ -226,17 +223,19 @@ class Engine:
             self.model.train(was_training)
         return out
 
-    def _prepare_packed(self, batch: PackedBatch) -> list[tuple[tuple[int, ...], Any, Any]]:
+    def _prepare_packed(self, batch: PackedBatch) -> list[PlannedMicroBatch]:
         """Check the batch is the same on every rank, cut it into micro-batches and split each one."""
         if self.cp_layout is None or self.cp_groups is None:
             raise RuntimeError(
                 "this engine was built without a CP layout; pass cp_layout=CPLayout(...) (or"
                 " cp_layout_from_config(megatron_config)) to build_engine to train on packed batches"
             )
-        from verl_dyncp.planner import dynamic_cp_split_batch
-        from verl_dyncp.thd_attention import thd_packed_seq_params
-
-        self._check_same_batch(batch)
+        check_same_batch_on_every_rank(
+            batch,
+            device=self.device,
+            message="ranks were given different packed batches (lengths, tokens or label_mask differ); the packed"
+            " path needs the whole step's batch, identical, on every rank",
+        )
         if not batch.seq_lens:
             raise ValueError(
                 "empty batch: the packed batch has no sequences; give every step at least one sequence"
@@ -244,40 +243,15 @@ class Engine:
         layout = self.cp_layout
         budget = layout.token_budget_per_rank
         assert budget is not None  # CPLayout validates it
-        prepared = []
-        for indices in split_packed_micro_batches(
-            batch.seq_lens, max_tokens=budget * self.cp_groups.world_size
-        ):
-            sub = batch.select(indices)
-            mb = dynamic_cp_split_batch(
-                sub.input_ids.to(self.device),
-                seq_lens=sub.seq_lens,
-                groups=self.cp_groups,
-                tp_size=self.dims.tp,
-                label_mask=None if sub.label_mask is None else sub.label_mask.to(self.device),
-                workload=self.cp_workload,
-                **layout.plan_kwargs(),
-            )
-            group = mb.group.process_group if mb.group.size > 1 else None
-            prepared.append((indices, mb, thd_packed_seq_params(mb.batch.meta, cp_group=group)))
-        return prepared
-
-    def _check_same_batch(self, batch: PackedBatch) -> None:
-        """Every rank must hold the same global batch: one MAX all-reduce of (digest, -digest).
-
-        Run before anything can fail, so a rank given a different (or empty) batch makes EVERY rank raise
-        the same error instead of leaving the others waiting in a collective.
-        """
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        fp = batch.fingerprint()
-        t = torch.tensor([fp, -fp], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != fp or -int(t[1]) != fp:
-            raise ValueError(
-                "ranks were given different packed batches (lengths, tokens or label_mask differ); the packed"
-                " path needs the whole step's batch, identical, on every rank"
-            )
+        return plan_micro_batches(
+            batch,
+            split_packed_micro_batches(batch.seq_lens, max_tokens=budget * self.cp_groups.world_size),
+            layout=layout,
+            groups=self.cp_groups,
+            tp_size=self.dims.tp,
+            workload=self.cp_workload,
+            device=self.device,
+        )
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Reduced gradients by parameter name (``main_grad`` under megatron DDP), as fp32 CPU copies."""
@@ -335,8 +309,6 @@ class Engine:
         forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
         *,
         global_tokens: float,
-        seq_length: int,
-        micro_batch_size: int,
     ) -> float:
         """Forward + backward of every item through the backend; returns this rank's masked loss sum.
 
@@ -344,7 +316,6 @@ class Engine:
         average gradients over the pool (DDP / the debug all-reduce), so the result is the gradient of
         the global token mean.
         """
-        del seq_length, micro_batch_size  # shapes are not needed without pipeline stages
         pool = self.dims.dp
         sums: list[torch.Tensor] = []
 
@@ -398,7 +369,7 @@ def build_engine(
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=dims.cp,
         sequence_parallel=m.sequence_parallel,
-        overrides={k: v for k, v in m.override_transformer_config.items() if v is not None},
+        overrides=m.given_transformer_overrides(),
     )
     # CPU initialisation with one seed: identical weights whatever the DP / CP layout. Not across TP sizes on
     # megatron-core 0.14, which initialises TP-sharded weights differently from TP 1 (0.19 does not):
@@ -444,15 +415,7 @@ def build_engine(
         cp_workload=cp_workload,
     )
     if debug:
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            (no_decay if _no_weight_decay(name, p) else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-        )
+        optimizer = debug_adamw(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
         runner = DebugBackend(
             clip_grad=o.clip_grad, pool_group=parallel_state.get_data_parallel_group(), pool_size=dims.dp
         )

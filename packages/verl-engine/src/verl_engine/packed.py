@@ -22,14 +22,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "CPLayout",
     "PackedBatch",
+    "PlannedMicroBatch",
+    "check_same_batch_on_every_rank",
     "cp_layout_from_config",
+    "plan_micro_batches",
     "split_packed_micro_batches",
 ]
 
@@ -234,3 +238,60 @@ def split_packed_micro_batches(seq_lens: Sequence[int], *, max_tokens: int) -> l
             bins.append([i])
             room.append(max_tokens - n)
     return [tuple(sorted(b)) for b in bins]
+
+
+def check_same_batch_on_every_rank(batch: PackedBatch, *, device: torch.device, message: str) -> None:
+    """Raise ``ValueError(message)`` on EVERY rank unless all ranks hold the same batch.
+
+    One MAX all-reduce of (digest, -digest): both are maximal everywhere only when every digest is equal.
+    Run before anything else can fail, so a rank given a different (or empty) batch makes every rank raise
+    the same error instead of leaving the others waiting in a collective.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    fp = batch.fingerprint()
+    t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) != fp or -int(t[1]) != fp:
+        raise ValueError(message)
+
+
+class PlannedMicroBatch(NamedTuple):
+    """One micro-batch as this rank runs it: the batch's sequences in it, this rank's share, attention params."""
+
+    indices: tuple[int, ...]
+    split: Any  # verl_dyncp.DynamicCPMicroBatch
+    packed_seq_params: Any
+
+
+def plan_micro_batches(
+    batch: PackedBatch,
+    micro_batches: Sequence[tuple[int, ...]],
+    *,
+    layout: CPLayout,
+    groups: Any,
+    tp_size: int,
+    workload: Any,
+    device: torch.device,
+) -> list[PlannedMicroBatch]:
+    """verl-dyncp's split of every micro-batch (sequence indices of ``batch``) over the DP x CP pool ``groups``."""
+    from verl_dyncp.planner import dynamic_cp_split_batch
+    from verl_dyncp.thd_attention import thd_packed_seq_params
+
+    planned = []
+    for indices in micro_batches:
+        sub = batch.select(indices)
+        split = dynamic_cp_split_batch(
+            sub.input_ids.to(device),
+            seq_lens=sub.seq_lens,
+            groups=groups,
+            tp_size=tp_size,
+            label_mask=None if sub.label_mask is None else sub.label_mask.to(device),
+            workload=workload,
+            **layout.plan_kwargs(),
+        )
+        group = split.group.process_group if split.group.size > 1 else None
+        planned.append(
+            PlannedMicroBatch(tuple(indices), split, thd_packed_seq_params(split.batch.meta, cp_group=group))
+        )
+    return planned

@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
-from verl_engine.packed import CPLayout, split_packed_micro_batches
+from verl_engine.packed import (
+    CPLayout,
+    PackedBatch,
+    PlannedMicroBatch,
+    check_same_batch_on_every_rank,
+    plan_micro_batches,
+    split_packed_micro_batches,
+)
 from verl_engine.rl_batch import RLBatch, read_scalar
 
 __all__ = ["SHARE_METRICS", "LossFunction", "MicroBatching", "RLEngine"]
@@ -75,16 +82,6 @@ class MicroBatching:
         assert self.micro_batch_size_per_gpu is not None
         per = self.micro_batch_size_per_gpu * groups_per_pool
         return [tuple(range(s, min(s + per, len(seq_lens)))) for s in range(0, len(seq_lens), per)]
-
-
-@dataclass
-class _MicroBatch:
-    """One planned micro-batch: its sequences, the packed sub-batch, this rank's split, attention parameters."""
-
-    indices: tuple[int, ...]
-    sub: Any  # verl_engine.packed.PackedBatch of those sequences
-    split: Any  # verl_dyncp.DynamicCPMicroBatch
-    packed_seq_params: Any
 
 
 class RLEngine:
@@ -243,17 +240,22 @@ class RLEngine:
         if not forward_only and loss_function is None:
             raise ValueError("forward_backward_batch(forward_only=False) needs a loss_function")
         batch = RLBatch.from_data(data)
-        self._check_same_batch(batch)
+        check_same_batch_on_every_rank(
+            batch.packed,
+            device=self.device,
+            message="ranks were given different batches (lengths or tokens differ); the engine needs the call's"
+            " whole batch, identical, on every rank (get_data_parallel_size() is 1)",
+        )
         micro = self._plan(batch)
         temperature = float(read_scalar(data, "temperature", 1.0))
         entropy = bool(read_scalar(data, "calculate_entropy", False)) and not self.value_model
-        scalars = self._loss_scalars(data, batch)
+        scalars = self._loss_scalars(data, batch, temperature=temperature)
         per_seq: dict[str, list[torch.Tensor | None]] = {}
         losses: list[float] = []
         metrics: dict[str, list[float]] = {}
 
-        def step(mb: _MicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
-            merged = self._forward(model, mb, temperature=temperature, entropy=entropy)
+        def step(mb: PlannedMicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
+            merged = self._forward(model, mb, packed=batch.packed, temperature=temperature, entropy=entropy)
             self._keep_outputs(batch, mb, merged, per_seq)
             if loss_function is None:
                 return None
@@ -280,7 +282,7 @@ class RLEngine:
         }
 
     # ------------------------------------------------------------------------------ internals
-    def _loss_scalars(self, data: Mapping[str, Any], batch: RLBatch) -> dict[str, Any]:
+    def _loss_scalars(self, data: Mapping[str, Any], batch: RLBatch, *, temperature: float) -> dict[str, Any]:
         if "response_mask" in data:
             tokens = int(data["response_mask"].to(torch.bool).sum())
         else:
@@ -289,36 +291,32 @@ class RLEngine:
             "dp_size": self.pool_size,
             "batch_num_tokens": tokens,
             "global_batch_size": batch.size,
-            "temperature": float(read_scalar(data, "temperature", 1.0)),
+            "temperature": temperature,
         }
 
-    def _plan(self, batch: RLBatch) -> list[_MicroBatch]:
-        from verl_dyncp.planner import dynamic_cp_split_batch
-        from verl_dyncp.thd_attention import thd_packed_seq_params
-
+    def _plan(self, batch: RLBatch) -> list[PlannedMicroBatch]:
         layout = self.cp_layout
         groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
-        out = []
-        for indices in self.micro_batching.split(
-            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
-        ):
-            sub = batch.packed.select(indices)
-            split = dynamic_cp_split_batch(
-                sub.input_ids.to(self.device),
-                seq_lens=sub.seq_lens,
-                groups=self.cp_groups,
-                tp_size=self.tp_size,
-                workload=self.cp_workload,
-                **layout.plan_kwargs(),
-            )
-            group = split.group.process_group if split.group.size > 1 else None
-            out.append(
-                _MicroBatch(indices, sub, split, thd_packed_seq_params(split.batch.meta, cp_group=group))
-            )
-        return out
+        return plan_micro_batches(
+            batch.packed,
+            self.micro_batching.split(
+                batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+            ),
+            layout=layout,
+            groups=self.cp_groups,
+            tp_size=self.tp_size,
+            workload=self.cp_workload,
+            device=self.device,
+        )
 
     def _forward(
-        self, model: torch.nn.Module, mb: _MicroBatch, *, temperature: float, entropy: bool
+        self,
+        model: torch.nn.Module,
+        mb: PlannedMicroBatch,
+        *,
+        packed: PackedBatch,
+        temperature: float,
+        entropy: bool,
     ) -> dict[str, torch.Tensor]:
         """This rank's share through the model, per-token outputs merged over the pool (label-aligned)."""
         from verl_dyncp.planner import dynamic_cp_merge_output
@@ -333,7 +331,7 @@ class RLEngine:
             )[0]
             labels = local.labels
         else:
-            raw, labels = self._padded_forward(model, mb)
+            raw, labels = self._padded_forward(model, mb, packed=packed)
         merged: dict[str, torch.Tensor] = {}
         if self.value_model:
             values = raw.squeeze(-1).float()
@@ -351,7 +349,9 @@ class RLEngine:
             merged["entropy"] = dynamic_cp_merge_output(ent, micro_batch=mb.split, groups=self.cp_groups)
         return merged
 
-    def _padded_forward(self, model: torch.nn.Module, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded_forward(
+        self, model: torch.nn.Module, mb: PlannedMicroBatch, *, packed: PackedBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """use_remove_padding=False: this rank's sequences right-padded [n, L] (BSHD, causal, no mask).
 
         Outputs are put back into the packed local layout, so the merge and everything after it is the
@@ -360,9 +360,12 @@ class RLEngine:
         split = mb.split
         if split.is_dummy:
             seqs = [split.batch.input_ids]
-        else:
-            cu = mb.sub.cu_seqlens
-            seqs = [mb.sub.input_ids[cu[i] : cu[i + 1]].to(self.device) for i in split.sequence_indices]
+        else:  # split.sequence_indices are positions in the micro-batch, mb.indices the batch's sequences
+            cu = packed.cu_seqlens
+            seqs = [
+                packed.input_ids[cu[i] : cu[i + 1]].to(self.device)
+                for i in (mb.indices[j] for j in split.sequence_indices)
+            ]
         lens = [int(s.shape[0]) for s in seqs]
         rows = torch.zeros((len(seqs), max(lens)), dtype=torch.int64, device=self.device)
         labels = torch.full_like(rows, -100)
@@ -380,7 +383,7 @@ class RLEngine:
     def _keep_outputs(
         self,
         batch: RLBatch,
-        mb: _MicroBatch,
+        mb: PlannedMicroBatch,
         merged: Mapping[str, torch.Tensor],
         per_seq: dict[str, list[Any]],
     ) -> None:
@@ -395,16 +398,3 @@ class RLEngine:
                     piece[n - 1] = 0.0  # the last token predicts nothing
                 slots[i] = piece
             offset += n
-
-    def _check_same_batch(self, batch: RLBatch) -> None:
-        """Every rank must hold the same batch: one MAX all-reduce of (digest, -digest), before any other collective."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        fp = batch.packed.fingerprint()
-        t = torch.tensor([fp, -fp], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != fp or -int(t[1]) != fp:
-            raise ValueError(
-                "ranks were given different batches (lengths or tokens differ); the engine needs the call's whole"
-                " batch, identical, on every rank (get_data_parallel_size() is 1)"
-            )

@@ -597,13 +597,24 @@ def load_hf_weights(
     redundant ``lm_head.weight`` are ignored), with the implied shapes, and every parameter of the model
     must have a counterpart. Values are copied into the existing parameters (their dtype and device are
     kept). If megatron padded the vocabulary (vocab rows x TP > vocab_size), the padding rows are zeros.
+    A value head (critic / reward model, :class:`~verl_mcore_utils.module.ValueHead` in place of the output
+    layer) has no counterpart in a causal-LM checkpoint: it keeps its own initialisation, the backbone is
+    loaded, and the checkpoint's ``lm_head.weight`` is read by no parameter.
 
     With a distributed optimizer, reload its fp32 main copies from the model afterwards.
     """
+    from verl_mcore_utils.module import ValueHead
+
     dims = _as_dims(hf_config)
     chunks = unwrap_model_chunks(model_chunks)
     groups = _groups()
-    local = local_megatron_params(chunks, dims)
+    heads = {
+        id(p)
+        for c in chunks
+        if isinstance(getattr(c, "output_layer", None), ValueHead)
+        for p in c.output_layer.parameters()
+    }
+    local = {k: v for k, v in local_megatron_params(chunks, dims).items() if id(v[1]) not in heads}
     with contextlib.ExitStack() as stack:
         src = _Source(source, stack)
         _check_source(src, dims)
