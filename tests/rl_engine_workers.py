@@ -72,7 +72,12 @@ def _engine(overrides: list[str], role: str, model_dir: str, device: str) -> Any
     ]
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    init_parallel(tensor_model_parallel_size=section.megatron.tensor_model_parallel_size, device=device)
+    init_parallel(
+        tensor_model_parallel_size=section.megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=section.megatron.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=section.megatron.virtual_pipeline_model_parallel_size,
+        device=device,
+    )
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return rl_engine_from_config(cfg, role=role, device=dev), cfg
 
@@ -189,3 +194,45 @@ def infer_tensordict(rank: int, world_size: int, model_dir: str, batch: dict[str
         out = engine.infer_batch(td)["model_output"]["log_probs"]
     assert out.is_nested
     return [t.clone() for t in out.unbind()]
+
+
+def pipeline_layouts(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Per layout: log-probs + entropy (infer_batch), then one PPO train_batch; loss, metrics, the updated
+    weights under their Hugging Face names (gathered over TP and PP, so layouts compare name by name)."""
+    from functools import partial
+
+    from verl_engine.build_rl import load_hf_config
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.weights import export_hf_weights
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, device)
+        with engine.eval_mode():
+            infer = engine.infer_batch({**batch, "calculate_entropy": True})["model_output"]
+        with engine.train_mode():
+            step = engine.train_batch(
+                {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+            )
+        params = {
+            n: t.detach().float().cpu().clone()
+            for n, t in export_hf_weights(engine.chunks, hf_config=load_hf_config(model_dir))
+        }
+        out.append(
+            {
+                "log_probs": infer["log_probs"].float().cpu(),
+                "entropy": infer["entropy"].float().cpu(),
+                "step_log_probs": step["model_output"]["log_probs"].float().cpu(),
+                "loss": step["loss"],
+                "metrics": step["metrics"],
+                "params": params,
+            }
+        )
+    return out

@@ -68,25 +68,40 @@ def build_thd_gpt_model(
     vocab_size: int | None = None,
     vp_stage: int | None = None,
     kernel: str = "auto",
+    mtp_num_layers: int = 0,
 ) -> GPTModel:
     """A GPTModel for ``hf_config`` that takes THD batches with a per-batch CP group (see module docstring).
 
     Plain RoPE only: scaled variants are refused rather than silently built unscaled.
+    ``mtp_num_layers`` > 0 attaches megatron-core's MTP block (same layer spec) as ``model.mtp`` on the
+    chunk that has the output layer; the model's own forward does not run it (see verl_mcore_utils.mtp).
     """
     partial = float(hf_get(hf_config, "partial_rotary_factor", 1.0) or 1.0)
-    return build_gpt_model(
+    spec = thd_layer_spec(tf_config, rotary_base=rope_theta(hf_config), rotary_percent=partial, kernel=kernel)
+    model = build_gpt_model(
         hf_config=hf_config,
         tf_config=tf_config,
         device=device,
         pre_process=pre_process,
         post_process=post_process,
-        layer_spec=thd_layer_spec(
-            tf_config, rotary_base=rope_theta(hf_config), rotary_percent=partial, kernel=kernel
-        ),
+        layer_spec=spec,
         vocab_size=vocab_size,
         vp_stage=vp_stage,
         position_embedding_type="none",
     )
+    if mtp_num_layers and post_process:
+        if not pre_process:
+            raise NotImplementedError(
+                "multi-token prediction with pipeline_model_parallel_size > 1: the MTP layers need the word"
+                " embedding on the last stage, which this model does not build yet; use"
+                " pipeline_model_parallel_size=1 with MTP (TP and CP work), or disable actor_rollout_ref.model.mtp"
+            )
+        from verl_mcore_utils.mtp import build_mtp_block
+
+        model.mtp = build_mtp_block(
+            tf_config=tf_config, layer_spec=spec, num_layers=mtp_num_layers, vp_stage=vp_stage
+        ).to(device)
+    return model
 
 
 @dataclass
@@ -95,7 +110,7 @@ class THDGPTModelProvider:
 
     Sits beside verl-mcore-utils' GPTModelProvider / SpecProvider / MBridgeProvider: the same wrapping
     (Float16Module, DDP or Megatron-FSDP, value head, LoRA hooks) then applies to the packed-sequence model.
-    One chunk per rank: pipeline stages are not built here.
+    Pipeline stages and virtual-pipeline chunks are built as ``make_megatron_module`` asks.
     """
 
     hf_config: Mapping[str, Any] | Any
@@ -103,16 +118,16 @@ class THDGPTModelProvider:
     device: torch.device | str = "cuda"
     kernel: str = "auto"
     ddp_defaults: Mapping[str, Any] = field(default_factory=dict)
+    mtp_num_layers: int = 0
 
     def provide(self, *, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
-        if not (pre_process and post_process) or vp_stage not in (None, 0):
-            raise ValueError(
-                "pipeline_model_parallel_size > 1: the packed-sequence model is built as one whole chunk per rank;"
-                " set pipeline_model_parallel_size=1"
-            )
         return build_thd_gpt_model(
             hf_config=self.hf_config,
             tf_config=self.transformer_config,
             device=self.device,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
             kernel=self.kernel,
+            mtp_num_layers=self.mtp_num_layers,
         )

@@ -55,6 +55,7 @@ __all__ = [
     "dynamic_cp_size",
     "dynamic_cp_split_batch",
     "dynamic_cp_take",
+    "dynamic_cp_take_ahead",
     "global_loss_token_count",
     "normalize_token_loss",
     "plan_dynamic_cp",
@@ -510,6 +511,21 @@ def dynamic_cp_take(
         return torch.full((n, *tensor.shape[1:]), pad_value, dtype=tensor.dtype, device=tensor.device)
     index = _packed_index(micro_batch.plan.seq_lens, micro_batch.sequence_indices).to(tensor.device)
     return micro_batch.batch.meta.take(tensor.index_select(0, index), pad_value=pad_value)
+
+
+def dynamic_cp_take_ahead(
+    tensor: torch.Tensor, *, micro_batch: DynamicCPMicroBatch, shift: int, fill: float | bool = 0
+) -> torch.Tensor:
+    """This rank's local share of the value ``shift`` tokens ahead in the same sequence (``fill`` where none).
+
+    ``tensor`` is packed over the whole micro-batch, like :func:`dynamic_cp_take`'s; ``shift=1`` gives
+    the next-token labels. Multi-token prediction takes its inputs and targets this way.
+    """
+    if micro_batch.is_dummy:
+        n = micro_batch.batch.meta.local_tokens
+        return torch.full((n, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
+    index = _packed_index(micro_batch.plan.seq_lens, micro_batch.sequence_indices).to(tensor.device)
+    return micro_batch.batch.meta.take_ahead(tensor.index_select(0, index), shift=shift, fill=fill)
 
 
 def _merge_index(plan: DynamicCPPlan | MixedCPPlan, *, tp_size: int) -> tuple[list[int], torch.Tensor]:

@@ -183,6 +183,23 @@ class THDPackedMeta:
         """The next token's value of a per-token tensor for every local token (``fill`` where none)."""
         return self._pick(tensor, self.label_index, fill)
 
+    def take_ahead(self, tensor: torch.Tensor, *, shift: int, fill: float | bool = 0) -> torch.Tensor:
+        """The value ``shift`` tokens ahead in the same sequence, for every local token (``fill`` where none).
+
+        ``shift=1`` is :meth:`take_next`. Read from the full packed tensor, so it is right across CP
+        chunk borders and never crosses into the next sequence (multi-token prediction's targets).
+        """
+        _check_positive("shift", shift)
+        if shift == 1:
+            return self.take_next(tensor, fill=fill)
+        src = self.source_index
+        lens = torch.tensor(self.seq_lens, dtype=torch.int64, device=src.device)
+        seq_of = torch.repeat_interleave(torch.arange(len(lens), device=src.device), lens)
+        ends = torch.cumsum(lens, 0)  # one past each sequence's last packed token
+        ahead = src + shift
+        valid = (src >= 0) & (ahead < ends[seq_of[src.clamp(min=0)]])
+        return self._pick(tensor, torch.where(valid, ahead, torch.full_like(ahead, -1)), fill)
+
     def _pick(self, tensor: torch.Tensor, index: torch.Tensor, fill: float | bool) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != self.total_tokens:
             raise ValueError(

@@ -2,9 +2,10 @@
 
 * :class:`MegatronBackend` (CUDA): megatron-core's DDP (or Megatron-FSDP) gradient buffers, its optimizer
   (distributed or not) and its forward-backward schedule.
-* :class:`DebugBackend` (CPU): plain autograd per micro-batch, gradients averaged over the DP x CP pool with
-  all-reduces, ``torch.optim.AdamW``, fp32. megatron-core's DDP buffers, optimizers and schedules hard-code
-  CUDA; this runs the same model code on gloo so that the engine is tested without a GPU.
+* :class:`DebugBackend` (CPU): plain autograd per micro-batch (pipeline stages through
+  :func:`verl_engine.pipeline.run_cpu_pipeline`), gradients averaged over the DP x CP pool with all-reduces,
+  a gradient norm over all model-parallel ranks, ``torch.optim.AdamW``, fp32. megatron-core's DDP buffers, optimizers and schedules hard-code CUDA;
+  this runs the same model code on gloo so that the engine is tested without a GPU.
 
 Both see the loss exactly as the loss function returned it (verl's convention: global normalisation with
 ``dp_size`` inside, see :mod:`verl_engine.losses`): megatron's schedule divides by the number of
@@ -26,16 +27,22 @@ Step = Callable[[Any, torch.nn.Module], "torch.Tensor | None"]
 
 
 def debug_adamw(
-    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float],
+    eps: float,
 ) -> torch.optim.AdamW:
-    """The debug backend's optimizer: ``torch.optim.AdamW`` over the trainable parameters.
+    """The debug backend's optimizer: ``torch.optim.AdamW`` over the trainable parameters (of every chunk).
 
     megatron-core's grouping: no weight decay on biases and 1-D parameters (norm weights).
     """
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
+    for chunk in [model] if isinstance(model, torch.nn.Module) else model:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
@@ -55,14 +62,19 @@ class DebugBackend:
         self.pool_size = pool_size
 
     def run(self, engine: Any, micro: Sequence[Any], step: Step, *, forward_only: bool) -> None:
-        for mb in micro:
-            if forward_only:
-                with torch.no_grad():
-                    step(mb, engine.model)
-                continue
-            loss = step(mb, engine.model)
-            if loss is not None:
-                loss.backward()
+        if engine.pipeline.size > 1:
+            from verl_engine.pipeline import run_cpu_pipeline
+
+            run_cpu_pipeline(engine.chunks, micro, step, layout=engine.pipeline, forward_only=forward_only)
+        else:
+            for mb in micro:
+                if forward_only:
+                    with torch.no_grad():
+                        step(mb, engine.model)
+                    continue
+                loss = step(mb, engine.model)
+                if loss is not None:
+                    loss.backward()
         if not forward_only:
             self._average_gradients(engine.model)
 
@@ -89,11 +101,35 @@ class DebugBackend:
         return self.name
 
     def step(self, engine: Any) -> float:
-        params = [p for p in engine.model.parameters() if p.requires_grad]
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        params = [p for p in engine.model.parameters() if p.requires_grad and p.grad is not None]
+        norm = _model_parallel_grad_norm(params)
+        if self.clip_grad > 0:
+            coef = self.clip_grad / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule, global norm
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
         engine.optimizer.step()
         return norm
+
+
+def _model_parallel_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
+    """L2 norm of the whole model's gradient: TP shards and pipeline stages summed, each tensor once.
+
+    megatron-core's rule: a parameter replicated over TP (norms, biases of row-parallel layers) counts on
+    TP rank 0 only.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        sq += p.grad.detach().double().pow(2).sum().cpu()
+    model_parallel = ps.get_model_parallel_group()
+    if dist.get_world_size(model_parallel) > 1:
+        dist.all_reduce(sq, group=model_parallel)
+    return float(sq.sqrt())
 
 
 class MegatronBackend:
@@ -110,17 +146,19 @@ class MegatronBackend:
             return output * n, {}  # undo the schedule's 1 / num_microbatches
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-            loss = step(next(data_iterator), model)
-            if loss is None:
-                loss = torch.zeros((), device=engine.device)
-            return loss, loss_func
+            out = step(next(data_iterator), model)  # activations before the last stage, else the loss
+            if out is None:
+                out = torch.zeros((), device=engine.device)
+            return out, loss_func
 
-        # Without pipeline stages the schedule never sends activations, so the shapes it is given are
-        # unused (verl passes 1 / 1 too): variable sequence lengths need no padding to a common length.
+        # Without pipeline stages the schedule never sends activations; with them the config has
+        # variable_seq_lengths (shapes are exchanged first), so the shapes given here are unused either
+        # way (verl passes 1 / 1 too): packed micro-batches need no padding to a common length.
+        chunks = engine.chunks
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[engine.model],
+            data_iterator=iter(micro) if len(chunks) == 1 else [iter(micro) for _ in chunks],
+            model=chunks,
             num_microbatches=n,
             seq_length=1,
             micro_batch_size=1,
@@ -141,9 +179,10 @@ class MegatronBackend:
         return self.name
 
     def zero_grad(self, engine: Any) -> None:
-        zero = getattr(engine.model, "zero_grad_buffer", None)
-        if zero is not None:
-            zero()
+        for chunk in engine.chunks:
+            zero = getattr(chunk, "zero_grad_buffer", None)
+            if zero is not None:
+                zero()
         engine.optimizer.zero_grad()
 
     def step(self, engine: Any) -> float:

@@ -6,6 +6,11 @@ The sections are verl's own (``actor_rollout_ref.actor.megatron`` / ``.optim``, 
 the weights are loaded into the megatron-core model by verl-mcore-utils (TP-sharded), the tokenizer is
 transformers' AutoTokenizer. A value model (critic) is the same backbone with a one-output head, initialised
 from the same checkpoint (the LM head is not loaded into it).
+
+Pipeline parallelism builds one model chunk per (virtual) stage through verl-mcore-utils'
+``make_megatron_module``; multi-token prediction (``actor_rollout_ref.model.mtp``) attaches megatron-core's
+MTP block to the last stage when the model's config declares MTP layers (``num_nextn_predict_layers`` or
+``mtp_num_hidden_layers``), and is an error for a model without them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
+from verl_engine.mtp import MtpSettings
 from verl_engine.packed import cp_layout_from_config
 from verl_engine.rl_engine import MicroBatching, RLEngine
 
@@ -59,13 +65,15 @@ def build_rl_engine(
     hf_config: Mapping[str, Any] | None = None,
     override_model_config: Mapping[str, Any] | None = None,
     total_training_steps: int | None = None,
+    mtp: Any | None = None,
 ) -> RLEngine:
     """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
 
     ``optim`` (``McoreOptimConfig``) None = forward only (reference policy). ``hf_config`` replaces
     reading ``model_path``'s config (presets / tests); weights are loaded from ``model_path`` when given.
     megatron-core's parallel state is initialised here if it is not yet (``context_parallel_size=1``:
-    CP runs in verl-dyncp's groups over the DP x CP pool).
+    CP runs in verl-dyncp's groups over the DP x CP pool). ``mtp`` is verl-config's ``MtpConfig``
+    (``actor_rollout_ref.model.mtp``) or None.
     """
     from megatron.core import parallel_state
 
@@ -74,24 +82,38 @@ def build_rl_engine(
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.transformer_config import hf_to_transformer_config
 
-    if engine.pipeline_model_parallel_size != 1 or engine.virtual_pipeline_model_parallel_size is not None:
-        raise NotImplementedError(
-            f"pipeline_model_parallel_size={engine.pipeline_model_parallel_size}: the RL engine runs one whole model"
-            " chunk per rank for now; set pipeline_model_parallel_size=1"
-        )
     if hf_config is None:
         if not model_path:
             raise ValueError("give model.path (a Hugging Face model directory) or an hf_config")
         hf_config = load_hf_config(model_path)
     hf = {**dict(hf_config), **dict(override_model_config or {})}
     debug = device.type == "cpu"
+    pp, vpp = engine.pipeline_model_parallel_size, engine.virtual_pipeline_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
-        init_parallel(tensor_model_parallel_size=engine.tensor_model_parallel_size, device=device.type)
+        init_parallel(
+            tensor_model_parallel_size=engine.tensor_model_parallel_size,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            device=device.type,
+        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp != engine.tensor_model_parallel_size:
+    initialised = (
+        tp,
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+    )
+    if initialised != (engine.tensor_model_parallel_size, pp, vpp):
         raise ValueError(
-            f"megatron-core is initialised with tensor_model_parallel_size={tp} but this role's section asks for"
-            f" {engine.tensor_model_parallel_size}; roles sharing a process group must share the TP size"
+            "megatron-core is initialised with tensor / pipeline / virtual pipeline sizes"
+            f" {initialised} but this role's section asks for {(engine.tensor_model_parallel_size, pp, vpp)};"
+            " roles sharing a process group must share the model-parallel layout"
+        )
+    mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
+    if debug and pp > 1 and hf.get("tie_word_embeddings") and not value_model:
+        raise NotImplementedError(
+            "tie_word_embeddings with pipeline_model_parallel_size > 1 needs CUDA: megatron-core copies the last"
+            " stage's tied output weight to the GPU when it builds the model; run on GPUs, or untie the embeddings"
+            " (model.override_config.model_config.tie_word_embeddings=false) for the CPU backend"
         )
     pool = parallel_state.get_data_parallel_world_size()
     layout = cp_layout_from_config(engine, max_tokens_per_rank=_NO_BUDGET)
@@ -110,7 +132,8 @@ def build_rl_engine(
         hf,
         dtype=dtype,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=1,
         sequence_parallel=engine.sequence_parallel and tp > 1,
         overrides=engine.given_transformer_overrides(),
@@ -119,7 +142,11 @@ def build_rl_engine(
     from verl_dyncp.model import THDGPTModelProvider
 
     provider = THDGPTModelProvider(
-        hf_config=hf, transformer_config=tf_config, device=device, kernel=engine.packed_attention_backend
+        hf_config=hf,
+        transformer_config=tf_config,
+        device=device,
+        kernel=engine.packed_attention_backend,
+        mtp_num_layers=mtp_layers,
     )
     trains = optim is not None and not engine.forward_only
     # DDP only for a role that trains on the megatron backend (the CPU debug backend takes the bare chunk).
@@ -131,7 +158,6 @@ def build_rl_engine(
         from verl_mcore_utils.weights import load_hf_weights
 
         load_hf_weights(chunks, model_path, hf_config=hf)
-    model = chunks[0]
     optimizer, lr_schedule = None, None
     if trains:
         optimizer = _optimizer(chunks, optim=optim, engine=engine, debug=debug, tf_config=tf_config)
@@ -140,10 +166,12 @@ def build_rl_engine(
         lr_schedule = lr_schedule_from_config(optim, total_training_steps=total_training_steps)
         lr_schedule.apply(optimizer)  # step 0's learning rate (warm-up starts below optim.lr)
     else:
-        for p in model.parameters():
-            p.requires_grad_(False)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.requires_grad_(False)
     from verl_dyncp.planner import WorkloadModel
     from verl_engine.engine import _pool_cp_groups
+    from verl_engine.pipeline import PipelineLayout
 
     backend: Any
     if debug:
@@ -155,7 +183,7 @@ def build_rl_engine(
     else:
         backend = MegatronBackend()
     return RLEngine(
-        model=model,
+        model=chunks,
         optimizer=optimizer,
         backend=backend,
         tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
@@ -169,7 +197,31 @@ def build_rl_engine(
         use_remove_padding=engine.use_remove_padding,
         lr_schedule=lr_schedule,
         tokenizer_path=model_path,
+        pipeline=PipelineLayout.from_parallel_state(),
+        mtp=MtpSettings(
+            num_layers=mtp_layers,
+            scaling_factor=float(mtp.mtp_loss_scaling_factor),
+            detach_encoder=bool(mtp.detach_encoder),
+        )
+        if trains and mtp_layers and mtp.enable_train
+        else None,
     )
+
+
+def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | None, value_model: bool) -> int:
+    """MTP layers to build: the model's own count when ``mtp.enable``, else none (verl's check_mtp_config)."""
+    from verl_mcore_utils.transformer_config import hf_mtp_num_layers
+
+    if mtp is None or not mtp.enable or value_model:
+        return 0
+    layers = hf_mtp_num_layers(hf)
+    if layers == 0:
+        raise ValueError(
+            f"actor_rollout_ref.model.mtp.enable=true but the model {model_path or '(hf_config)'} declares no"
+            " multi-token-prediction layers (num_nextn_predict_layers / mtp_num_hidden_layers in config.json);"
+            " set actor_rollout_ref.model.mtp.enable=false or use a model with MTP layers"
+        )
+    return layers
 
 
 def rl_engine_from_config(
@@ -196,6 +248,7 @@ def rl_engine_from_config(
     if optim is not None and optim.total_training_steps <= 0:
         steps = cfg.trainer.total_training_steps
     return build_rl_engine(
+        mtp=None if role == "critic" else model.mtp,
         engine=engine,
         model_path=None if hf_config is not None and not _is_dir(model.path) else model.path,
         optim=optim,
@@ -220,7 +273,7 @@ def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug:
     if debug:
         extra = dict(optim.override_optimizer_config or {})  # megatron OptimizerConfig names, as on GPU
         return debug_adamw(
-            chunks[0],
+            chunks,
             lr=optim.lr,
             weight_decay=optim.weight_decay,
             betas=optim.betas,

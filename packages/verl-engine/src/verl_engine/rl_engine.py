@@ -17,14 +17,19 @@ so a bad batch fails on every rank with the same error instead of hanging one of
 ``get_data_parallel_size()`` is 1 accordingly: a verl-style dispatcher sends the whole batch to every
 rank and collects from ``is_mp_src_rank_with_outputs()`` (rank 0), and every rank returns the same outputs.
 
-Two small backends run the micro-batches: megatron-core's DDP, optimizer and forward-backward schedule
+Pipeline parallelism: each rank holds the model chunks of its stage (several with virtual stages); every
+stage runs the same planned micro-batches, only the last stage computes outputs and losses, and those are
+then sent to the other stages (:mod:`verl_engine.pipeline`), so the call's result is the same everywhere.
+Multi-token prediction (:mod:`verl_engine.mtp`) adds its loss on the last stage when training.
+
+Two small backends run the micro-batches: megatron-core's DDP, optimizer and forward-backward schedules
 (CUDA), and a CPU debug backend (gloo, no DDP wrapper, torch AdamW, fp32) that runs the same model code.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
+from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts, run_mtp
 from verl_engine.packed import (
     CPLayout,
     PackedBatch,
@@ -40,6 +46,7 @@ from verl_engine.packed import (
     plan_micro_batches,
     split_packed_micro_batches,
 )
+from verl_engine.pipeline import PipelineLayout, share_from_last_stage
 from verl_engine.rl_batch import RLBatch, read_scalar
 
 __all__ = ["SHARE_METRICS", "LossFunction", "MicroBatching", "RLEngine"]
@@ -93,7 +100,7 @@ class RLEngine:
     def __init__(
         self,
         *,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         optimizer: Any,
         backend: Any,
         tp_group: Any,
@@ -107,8 +114,21 @@ class RLEngine:
         use_remove_padding: bool = True,
         lr_schedule: Any = None,
         tokenizer_path: str | None = None,
+        pipeline: PipelineLayout | None = None,
+        mtp: MtpSettings | None = None,
     ) -> None:
-        self.model = model
+        # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
+        # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
+        self.chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        self.pipeline = pipeline or PipelineLayout(
+            size=1, rank=0, num_chunks=1, group=None, ranks=(dist.get_rank() if dist.is_initialized() else 0,)
+        )
+        if self.pipeline.num_chunks != len(self.chunks):
+            raise ValueError(
+                f"{len(self.chunks)} model chunks for a pipeline layout of {self.pipeline.num_chunks} chunks per stage"
+            )
+        self.mtp = mtp
         self.optimizer = optimizer
         self.backend = backend
         self.tp_group = tp_group
@@ -171,7 +191,7 @@ class RLEngine:
         return None
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """Rank 0 returns outputs to a controller (every rank holds the same outputs)."""
+        """Rank 0 returns outputs to a controller (every rank, every pipeline stage, holds the same outputs)."""
         return not dist.is_initialized() or dist.get_rank() == 0
 
     @property
@@ -253,9 +273,23 @@ class RLEngine:
         per_seq: dict[str, list[torch.Tensor | None]] = {}
         losses: list[float] = []
         metrics: dict[str, list[float]] = {}
+        tracker = self._mtp_tracker(forward_only=forward_only, has_loss=loss_function is not None)
+        mtp_counts = (
+            mtp_target_counts(batch.packed, num_layers=tracker.num_layers) if tracker is not None else []
+        )
 
         def step(mb: PlannedMicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
-            merged = self._forward(model, mb, packed=batch.packed, temperature=temperature, entropy=entropy)
+            if not _unwrap(model).post_process:  # an earlier pipeline stage: its activations go on
+                return self._stage_forward(model, mb, packed=batch.packed)
+            merged, mtp_term = self._forward(
+                model,
+                mb,
+                packed=batch.packed,
+                temperature=temperature,
+                entropy=entropy,
+                tracker=tracker,
+                mtp_counts=mtp_counts,
+            )
             self._keep_outputs(batch, mb, merged, per_seq)
             if loss_function is None:
                 return None
@@ -265,23 +299,56 @@ class RLEngine:
             losses.append(float(loss.detach()) / self.pool_size)
             for key, value in mb_metrics.items():
                 metrics.setdefault(key, []).append(float(value))
-            return loss
+            return loss if mtp_term is None else loss + mtp_term
 
         self.backend.run(self, micro, step, forward_only=forward_only)
-        outputs = {
-            key: batch.to_input_layout([v for v in values if v is not None])  # type: ignore[misc]
-            for key, values in per_seq.items()
-        }
-        return {
-            "model_output": outputs,
-            "loss": sum(losses),
-            "metrics": {
+        flat: dict[str, torch.Tensor] | None = None
+        extra: Any = None
+        if self.pipeline.is_last_stage:
+            flat = {key: torch.cat(values) for key, values in per_seq.items()}  # type: ignore[arg-type]
+            summary = {
                 k: sum(v) / self.pool_size if k in SHARE_METRICS else sum(v) / len(v)
                 for k, v in metrics.items()
-            },
+            }
+            if tracker is not None:  # every last-stage rank joins the pool's reduction (see verl_engine.mtp)
+                summary.update(tracker.reduce(group=self.cp_groups.full_group))
+            extra = (sum(losses), summary)
+        sizes = {key: sum(batch.packed.seq_lens) for key in self._output_keys(entropy)}
+        flat, (loss_total, summary) = share_from_last_stage(
+            self.pipeline, tensors=flat, sizes=sizes, extra=extra, device=self.device
+        )
+        outputs = {
+            key: batch.to_input_layout(list(values.split(list(batch.packed.seq_lens))))
+            for key, values in flat.items()
         }
+        return {"model_output": outputs, "loss": loss_total, "metrics": summary}
 
     # ------------------------------------------------------------------------------ internals
+    def _output_keys(self, entropy: bool) -> list[str]:
+        if self.value_model:
+            return ["values"]
+        return ["log_probs", "entropy"] if entropy else ["log_probs"]
+
+    def _mtp_tracker(self, *, forward_only: bool, has_loss: bool) -> MtpTracker | None:
+        """Tracker state exists on exactly the ranks that run MTP: last stage, training with a loss."""
+        if self.mtp is None or forward_only or not has_loss or not self.pipeline.is_last_stage:
+            return None
+        return MtpTracker(num_layers=self.mtp.num_layers, device=self.device)
+
+    def _stage_forward(
+        self, model: torch.nn.Module, mb: PlannedMicroBatch, *, packed: PackedBatch
+    ) -> torch.Tensor:
+        """A chunk before the last stage: its output activations (input from ``set_input_tensor``)."""
+        if self.use_remove_padding:
+            return model(
+                input_ids=mb.split.batch.input_ids[None],
+                position_ids=None,
+                attention_mask=None,
+                packed_seq_params=mb.packed_seq_params,
+            )
+        rows, _, _ = self._padded_rows(mb, packed=packed)
+        return model(input_ids=rows, position_ids=None, attention_mask=None)
+
     def _loss_scalars(self, data: Mapping[str, Any], batch: RLBatch, *, temperature: float) -> dict[str, Any]:
         if "response_mask" in data:
             tokens = int(data["response_mask"].to(torch.bool).sum())
@@ -317,26 +384,57 @@ class RLEngine:
         packed: PackedBatch,
         temperature: float,
         entropy: bool,
-    ) -> dict[str, torch.Tensor]:
-        """This rank's share through the model, per-token outputs merged over the pool (label-aligned)."""
+        tracker: MtpTracker | None = None,
+        mtp_counts: Sequence[int] = (),
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """This rank's share through the model, per-token outputs merged over the pool (label-aligned).
+
+        Also returns the MTP loss term (``tracker`` given: training with MTP) or None.
+        """
         from verl_dyncp.planner import dynamic_cp_merge_output
 
         local = mb.split.batch
-        if self.use_remove_padding:
-            raw = model(
-                input_ids=local.input_ids[None],
-                position_ids=None,
-                attention_mask=None,
+        gpt = _unwrap(model)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if tracker is not None:  # MTP starts from the decoder's final hidden states
+            hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            if self.use_remove_padding:
+                raw = model(
+                    input_ids=local.input_ids[None],
+                    position_ids=None,
+                    attention_mask=None,
+                    packed_seq_params=mb.packed_seq_params,
+                )[0]
+                labels = local.labels
+            else:
+                raw, labels = self._padded_forward(model, mb, packed=packed)
+        finally:
+            if hook is not None:
+                hook.remove()
+        mtp_term = None
+        if tracker is not None:
+            assert self.mtp is not None
+            sub = packed.select(mb.indices)
+            mtp_term = run_mtp(
+                gpt,
+                hidden=captured[0],
+                micro_batch=mb.split,
+                packed_ids=sub.input_ids.to(self.device),
+                label_mask=None if sub.label_mask is None else sub.label_mask.to(self.device),
                 packed_seq_params=mb.packed_seq_params,
-            )[0]
-            labels = local.labels
-        else:
-            raw, labels = self._padded_forward(model, mb, packed=packed)
+                settings=self.mtp,
+                tp_group=self.tp_group if self.tp_size > 1 else None,
+                counts=list(mtp_counts),
+                pool_size=self.pool_size,
+                tracker=tracker,
+            )
         merged: dict[str, torch.Tensor] = {}
         if self.value_model:
             values = raw.squeeze(-1).float()
             merged["values"] = dynamic_cp_merge_output(values, micro_batch=mb.split, groups=self.cp_groups)
-            return merged
+            return merged, mtp_term
         log_probs, ent = vocab_parallel_log_probs_and_entropy(
             raw,
             labels,
@@ -347,7 +445,7 @@ class RLEngine:
         merged["log_probs"] = dynamic_cp_merge_output(log_probs, micro_batch=mb.split, groups=self.cp_groups)
         if ent is not None:
             merged["entropy"] = dynamic_cp_merge_output(ent, micro_batch=mb.split, groups=self.cp_groups)
-        return merged
+        return merged, mtp_term
 
     def _padded_forward(
         self, model: torch.nn.Module, mb: PlannedMicroBatch, *, packed: PackedBatch
@@ -357,6 +455,20 @@ class RLEngine:
         Outputs are put back into the packed local layout, so the merge and everything after it is the
         packed path's: the two paths differ only in how attention sees the tokens (CP size is 1 here).
         """
+        split = mb.split
+        rows, labels, lens = self._padded_rows(mb, packed=packed)
+        out = model(input_ids=rows, position_ids=None, attention_mask=None)  # [n, L, V/tp] or [n, L, 1]
+        flat_out = torch.cat([out[r, :n] for r, n in enumerate(lens)])
+        flat_labels = torch.cat([labels[r, :n] for r, n in enumerate(lens)])
+        if split.is_dummy:
+            return flat_out, torch.full_like(flat_labels, -100)
+        meta = split.batch.meta
+        return meta.take(flat_out, pad_value=0), meta.take(flat_labels, pad_value=-100)
+
+    def _padded_rows(
+        self, mb: PlannedMicroBatch, *, packed: PackedBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """This rank's sequences right-padded ``[n, L]``, their next-token labels, and their lengths."""
         split = mb.split
         if split.is_dummy:
             seqs = [split.batch.input_ids]
@@ -372,13 +484,7 @@ class RLEngine:
         for r, s in enumerate(seqs):
             rows[r, : lens[r]] = s
             labels[r, : lens[r] - 1] = s[1:]
-        out = model(input_ids=rows, position_ids=None, attention_mask=None)  # [n, L, V/tp] or [n, L, 1]
-        flat_out = torch.cat([out[r, :n] for r, n in enumerate(lens)])
-        flat_labels = torch.cat([labels[r, :n] for r, n in enumerate(lens)])
-        if split.is_dummy:
-            return flat_out, torch.full_like(flat_labels, -100)
-        meta = split.batch.meta
-        return meta.take(flat_out, pad_value=0), meta.take(flat_labels, pad_value=-100)
+        return rows, labels, lens
 
     def _keep_outputs(
         self,
@@ -398,3 +504,10 @@ class RLEngine:
                     piece[n - 1] = 0.0  # the last token predicts nothing
                 slots[i] = piece
             offset += n
+
+
+def _unwrap(model: torch.nn.Module) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from verl_mcore_utils.module import unwrap_model
+
+    return unwrap_model(model)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         make_megatron_module,
         unwrap_model,
     )
+    from verl_mcore_utils.mtp import build_mtp_block, mtp_layer_forward
     from verl_mcore_utils.offload import (
         OffloadStateError,
         OffloadStats,
@@ -75,6 +76,7 @@ _LAZY: dict[str, str] = {
     "attach_training_hooks": "verl_mcore_utils.module",
     "build_ddp_config": "verl_mcore_utils.ddp",
     "build_gpt_model": "verl_mcore_utils.model",
+    "build_mtp_block": "verl_mcore_utils.mtp",
     "destroy_parallel": "verl_mcore_utils.parallel",
     "export_hf_weights": "verl_mcore_utils.weights",
     "get_model_config": "verl_mcore_utils.module",
@@ -84,6 +86,7 @@ _LAZY: dict[str, str] = {
     "local_layer_spec": "verl_mcore_utils.model",
     "make_megatron_module": "verl_mcore_utils.module",
     "make_rope_portable": "verl_mcore_utils.rope",
+    "mtp_layer_forward": "verl_mcore_utils.mtp",
     "offload_megatron_model": "verl_mcore_utils.offload",
     "offload_megatron_optimizer": "verl_mcore_utils.offload",
     "onload_megatron_model": "verl_mcore_utils.offload",
@@ -122,6 +125,7 @@ __all__ = [
     "attach_training_hooks",
     "build_ddp_config",
     "build_gpt_model",
+    "build_mtp_block",
     "ddp_config_fields",
     "destroy_parallel",
     "export_hf_weights",
@@ -134,6 +138,7 @@ __all__ = [
     "make_megatron_module",
     "make_rope_portable",
     "mcore_version",
+    "mtp_layer_forward",
     "offload_megatron_model",
     "offload_megatron_optimizer",
     "onload_megatron_model",

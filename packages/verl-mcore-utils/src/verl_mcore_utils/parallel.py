@@ -45,6 +45,7 @@ def init_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     device: str = "cuda",
     timeout_s: int = 600,
 ) -> ParallelDims:
@@ -52,6 +53,7 @@ def init_parallel(
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as torchrun sets them; without
     them, runs as a single process. The layout is checked before any group is created.
+    ``virtual_pipeline_model_parallel_size`` (interleaved 1F1B) is the number of model chunks per stage.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims(
@@ -60,6 +62,13 @@ def init_parallel(
         pp=pipeline_model_parallel_size,
         cp=context_parallel_size,
     )
+    if virtual_pipeline_model_parallel_size is not None and (
+        virtual_pipeline_model_parallel_size < 2 or dims.pp < 2
+    ):
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs"
+            f" pipeline_model_parallel_size > 1 (got {dims.pp}) and a value >= 2; or set it to None"
+        )
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29512")
@@ -76,6 +85,7 @@ def init_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=dims.cp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     return dims
 

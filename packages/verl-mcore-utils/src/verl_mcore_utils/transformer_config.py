@@ -13,7 +13,7 @@ from verl_mcore_utils.compat import import_megatron_core
 import_megatron_core()
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "hf_get", "hf_to_transformer_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "hf_get", "hf_mtp_num_layers", "hf_to_transformer_config"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,12 +26,25 @@ def hf_get(hf_config: Mapping[str, Any] | Any, key: str, default: Any = None) ->
     return getattr(hf_config, key, default)
 
 
+def hf_mtp_num_layers(hf_config: Mapping[str, Any] | Any) -> int:
+    """Multi-token-prediction layers a Hugging Face config declares (0 when none).
+
+    DeepSeek-V3 / MiMo / GLM name them ``num_nextn_predict_layers``, Qwen3-Next ``mtp_num_hidden_layers``.
+    """
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        value = hf_get(hf_config, key)
+        if value:
+            return int(value)
+    return 0
+
+
 def hf_to_transformer_config(
     hf_config: Mapping[str, Any] | Any,
     *,
     dtype: str = "bfloat16",
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
     use_cpu_initialization: bool = True,
@@ -88,6 +101,12 @@ def hf_to_transformer_config(
         "fp16": dtype == "float16",
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+        # stages exchange activations of any length (packed micro-batches differ): shapes travel first
+        "variable_seq_lengths": pipeline_model_parallel_size > 1,
+        # megatron-core refuses variable_seq_lengths with the default allgather MoE dispatcher even for dense
+        # models (0.19); alltoall is what verl sets too
+        "moe_token_dispatcher_type": "alltoall",
         "context_parallel_size": context_parallel_size,
         "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": use_cpu_initialization,

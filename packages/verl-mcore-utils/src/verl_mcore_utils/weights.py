@@ -450,12 +450,18 @@ def _groups() -> _Groups:
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
+MTP_PREFIX = "mtp."  # megatron-core's MultiTokenPredictionBlock, attached as GPTModel.mtp
+
+
 def local_megatron_params(
     chunks: Sequence[GPTModel], dims: HFDims
 ) -> dict[str, tuple[ParamMapping, torch.Tensor]]:
     """This rank's parameters by global megatron name, each with its mapping; unmapped ones are errors.
 
     Public so that other exporters (verl_mfsdp) walk the same name table instead of a copy of it.
+    Multi-token-prediction layers (``mtp.*``, see :mod:`verl_mcore_utils.mtp`) are left out: the supported
+    Hugging Face architectures (Qwen2 / Qwen3 / Llama) have no MTP tensors (transformers drops them), so
+    they keep their initialisation on load and are not exported to a rollout engine.
     """
     table = {m.megatron_name: m for m in param_mappings(hf_config=dims)}
     if dims.tie_word_embeddings:
@@ -463,6 +469,8 @@ def local_megatron_params(
     out: dict[str, tuple[ParamMapping, torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
+            if name.startswith(MTP_PREFIX):
+                continue
             global_name = name
             match = _LAYER_NAME.match(name)
             if match:
