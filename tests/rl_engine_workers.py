@@ -236,3 +236,112 @@ def pipeline_layouts(
             }
         )
     return out
+
+
+MTP_ON = ["actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true"]
+
+
+def _decoder_output(gpt: Any, seq: torch.Tensor) -> torch.Tensor:
+    captured: list[torch.Tensor] = []
+    hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    gpt(input_ids=seq[None], position_ids=None, attention_mask=None)
+    hook.remove()
+    return captured[0]
+
+
+@torch.no_grad()
+def mtp_reference(engine: Any, batch: dict[str, Any], *, num_layers: int) -> list[float]:
+    """Per-depth MTP loss computed plainly: each sequence alone (no packing, no CP, BSHD attention), the
+    MTP input of depth k at position c is token c + k, the target token c + 1 + k, counted when that
+    target is a response token; mean cross-entropy over the batch's targets of each depth (float64)."""
+    from verl_mcore_utils.module import unwrap_model
+    from verl_mcore_utils.mtp import mtp_layer_forward
+
+    gpt = unwrap_model(engine.model)
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    first_response_col = ids.shape[1] - batch["response_mask"].shape[1]
+    sums, counts = [0.0] * num_layers, [0] * num_layers
+    for i in range(ids.shape[0]):
+        cols = torch.nonzero(mask[i]).flatten()
+        seq, is_response = ids[i, cols], cols >= first_response_col
+        h, n = _decoder_output(gpt, seq), seq.shape[0]
+        for k in range(1, num_layers + 1):
+            m = n - k  # positions whose depth-k input token c + k exists
+            if m <= 1:
+                break
+            emb = gpt.embedding(input_ids=seq[None, k:], position_ids=None)
+            h = mtp_layer_forward(
+                gpt.mtp.layers[k - 1], hidden_states=h[:m], decoder_input=emb, packed_seq_params=None
+            )
+            logits, _ = gpt.output_layer(h, weight=gpt.output_layer.weight)
+            logp = torch.log_softmax(logits[:, 0].double(), dim=-1)
+            for c in range(m - 1):  # the target c + 1 + k exists for c < n - 1 - k
+                t = c + 1 + k
+                if is_response[t]:
+                    sums[k - 1] -= float(logp[c, seq[t]])
+                    counts[k - 1] += 1
+    return [s / max(c, 1) for s, c in zip(sums, counts, strict=True)]
+
+
+def mtp_step_layouts(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    reference_layers: int = 0,
+) -> list[dict[str, Any]]:
+    """Per layout: one forward_backward_batch with the PPO loss (MTP on when the layout says so); the loss,
+    metrics and every parameter's gradient by (TP 1, PP 1) name; the plain per-depth reference if asked."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        reference = mtp_reference(engine, batch, num_layers=reference_layers) if reference_layers else None
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            result = engine.forward_backward_batch(
+                {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+            )
+            grads = {
+                n: p.grad.detach().float().clone()
+                for n, p in unwrap_model(engine.model).named_parameters()
+                if p.grad is not None
+            }
+        out.append(
+            {"loss": result["loss"], "metrics": result["metrics"], "grads": grads, "reference": reference}
+        )
+    return out
+
+
+def mtp_two_steps(
+    rank: int, world_size: int, model_dir: str, overrides: list[str], batch: dict[str, Any], old_gating: bool
+) -> str:
+    """Two train_batch calls; ``old_gating``: verl's gating before PR #5895, only CP rank 0 joins the MTP
+    reduction. Then rank 0 waits in the reduction over the DP x CP pool while CP rank 1 has gone on to the
+    next call's first collective: the job hangs (the test bounds it with the harness' timeout)."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+    from verl_engine.mtp import MtpTracker
+
+    engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+    cp_rank = engine.cp_groups.position % engine.cp_layout.static_cp_size
+
+    class CpRankZeroOnly(MtpTracker):
+        def reduce(self, *, group: Any) -> dict[str, float]:
+            return super().reduce(group=group) if cp_rank == 0 else {}
+
+    if old_gating:
+        engine._mtp_tracker = lambda **_: CpRankZeroOnly(
+            num_layers=engine.mtp.num_layers, device=engine.device
+        )
+    loss = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+    with engine.train_mode():
+        for _ in range(2):
+            engine.train_batch(batch, loss)
+    return "finished"

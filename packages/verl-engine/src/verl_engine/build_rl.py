@@ -87,6 +87,7 @@ def build_rl_engine(
             raise ValueError("give model.path (a Hugging Face model directory) or an hf_config")
         hf_config = load_hf_config(model_path)
     hf = {**dict(hf_config), **dict(override_model_config or {})}
+    mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
     debug = device.type == "cpu"
     pp, vpp = engine.pipeline_model_parallel_size, engine.virtual_pipeline_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
@@ -108,7 +109,6 @@ def build_rl_engine(
             f" {initialised} but this role's section asks for {(engine.tensor_model_parallel_size, pp, vpp)};"
             " roles sharing a process group must share the model-parallel layout"
         )
-    mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
     if debug and pp > 1 and hf.get("tie_word_embeddings") and not value_model:
         raise NotImplementedError(
             "tie_word_embeddings with pipeline_model_parallel_size > 1 needs CUDA: megatron-core copies the last"

@@ -129,6 +129,17 @@ class RLBatch:
         )
 
     # ------------------------------------------------------------------------------ outputs
+    def response_token_mask(self) -> torch.Tensor:
+        """Per packed token: is it a response token (every token when the batch has no response part).
+
+        The targets of multi-token prediction, as verl's label mask: prompt tokens are never predicted.
+        """
+        if self.response_cols == 0:
+            return torch.ones(sum(self.packed.seq_lens), dtype=torch.bool)
+        return torch.cat(
+            [torch.arange(n) >= p for n, p in zip(self.packed.seq_lens, self.prompt_lens, strict=True)]
+        )
+
     def response_view(self, merged: torch.Tensor, *, indices: Sequence[int]) -> torch.Tensor:
         """``[len(indices), R]`` from a micro-batch's label-aligned packed output (sequences ``indices``).
 

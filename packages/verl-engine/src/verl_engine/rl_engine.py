@@ -29,6 +29,7 @@ Two small backends run the micro-batches: megatron-core's DDP, optimizer and for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -274,9 +275,11 @@ class RLEngine:
         losses: list[float] = []
         metrics: dict[str, list[float]] = {}
         tracker = self._mtp_tracker(forward_only=forward_only, has_loss=loss_function is not None)
-        mtp_counts = (
-            mtp_target_counts(batch.packed, num_layers=tracker.num_layers) if tracker is not None else []
-        )
+        mtp_packed = None  # the batch with its MTP targets (response tokens) as label mask
+        mtp_counts: list[int] = []
+        if tracker is not None:
+            mtp_packed = dataclasses.replace(batch.packed, label_mask=batch.response_token_mask())
+            mtp_counts = mtp_target_counts(mtp_packed, num_layers=tracker.num_layers)
 
         def step(mb: PlannedMicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
             if not _unwrap(model).post_process:  # an earlier pipeline stage: its activations go on
@@ -288,6 +291,7 @@ class RLEngine:
                 temperature=temperature,
                 entropy=entropy,
                 tracker=tracker,
+                mtp_packed=mtp_packed,
                 mtp_counts=mtp_counts,
             )
             self._keep_outputs(batch, mb, merged, per_seq)
@@ -385,6 +389,7 @@ class RLEngine:
         temperature: float,
         entropy: bool,
         tracker: MtpTracker | None = None,
+        mtp_packed: PackedBatch | None = None,
         mtp_counts: Sequence[int] = (),
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """This rank's share through the model, per-token outputs merged over the pool (label-aligned).
@@ -415,8 +420,8 @@ class RLEngine:
                 hook.remove()
         mtp_term = None
         if tracker is not None:
-            assert self.mtp is not None
-            sub = packed.select(mb.indices)
+            assert self.mtp is not None and mtp_packed is not None
+            sub = mtp_packed.select(mb.indices)
             mtp_term = run_mtp(
                 gpt,
                 hidden=captured[0],

@@ -1,0 +1,155 @@
+"""Multi-token prediction (MTP) in the RL engine on CPU (fp32, gloo).
+
+A tiny random Qwen2 model whose config.json declares two MTP layers (``num_nextn_predict_layers: 2``, the
+DeepSeek-V3 / MiMo key) is loaded through ``model.path`` with ``actor_rollout_ref.model.mtp.enable`` and
+``enable_train``; the MTP layers are megatron-core's, attached to the last stage. Checked:
+
+* each depth's loss (``mtp_losses/mtp_<k>_loss``) equals a plain reference computed here (every sequence
+  alone, unpacked, BSHD attention, targets ``c + 1 + k`` among the response tokens);
+* the MTP loss, its metrics and the gradients of the MTP layers and of the backbone under DP 2, static CP 2
+  and dynamic CP equal the one-rank run (a CP-under-scaled MTP gradient, Megatron-LM #3959, fails this);
+* the LM head gets no gradient from MTP (its gradient is the same with and without the MTP loss), while
+  the backbone's does change;
+* a batch without any MTP target gives MTP losses of 0 and finite gradients, not NaN;
+* the deadlock of verl before PR #5895: with the reduction gated on CP rank 0 the run hangs (bounded by
+  the harness' timeout); with the engine's own gating the same run finishes;
+* MTP enabled for a model without MTP layers is a clear error.
+
+Bounds: 1e-5 relative (fp32, same arithmetic grouped differently).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from rl_engine_workers import BASE, MTP_ON, mtp_step_layouts, mtp_two_steps, verl_batch
+
+from verl_mcore_utils.testing import DistributedRunError, run_distributed
+
+A = "actor_rollout_ref.actor"
+AM = f"{A}.megatron"
+PROMPTS, RESPONSES = [3, 6, 1, 5, 2], [7, 2, 5, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("qwen2_mtp") / "model"
+    return str(save_tiny_hf_model("qwen2", path, seed=7, num_nextn_predict_layers=2))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _layouts(world: int, layouts: dict[str, list[str]]) -> list[list[str]]:
+    critic = [f"critic.ppo_micro_batch_size_per_gpu={max(1, 4 // world // 2)}"]
+    return [[f"trainer.n_gpus_per_node={world}", *critic, *v] for v in layouts.values()]
+
+
+METRICS = ("mtp_losses/mtp_1_loss", "mtp_losses/mtp_2_loss")
+
+
+def test_mtp_loss_matches_reference_and_is_independent_of_dp_and_cp(model_dir: str) -> None:
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    one = {
+        "mtp": [*MTP_ON],
+        "mtp_mb1": [*MTP_ON, f"{A}.ppo_micro_batch_size_per_gpu=1"],
+        "no_mtp_loss": ["actor_rollout_ref.model.mtp.enable=true"],
+    }
+    results = dict(
+        zip(
+            one,
+            run_distributed(mtp_step_layouts, world_size=1, args=(model_dir, _layouts(1, one), batch, 2))[0],
+            strict=True,
+        )
+    )
+    ref = results["mtp"]
+    for k, name in enumerate(METRICS):
+        assert ref["metrics"][name] > 0
+        assert abs(ref["metrics"][name] - ref["reference"][k]) <= 1e-5 * ref["reference"][k], (name, ref)
+    mtp_params = [n for n in ref["grads"] if n.startswith("mtp.")]
+    assert mtp_params and all(float(ref["grads"][n].abs().max()) > 0 for n in mtp_params)
+    # micro-batching does not change the MTP loss or any gradient
+    _same(results["mtp_mb1"], ref, "mb1")
+    # the LM head's gradient is the policy loss's alone; the backbone's includes MTP
+    plain = results["no_mtp_loss"]
+    assert not any(name in plain["metrics"] for name in METRICS)
+    head = "output_layer.weight"
+    assert rel_err(ref["grads"][head], plain["grads"][head]) < 1e-6
+    assert not any(n.startswith("mtp.") for n in plain["grads"]) or all(
+        float(plain["grads"][n].abs().max()) == 0 for n in plain["grads"] if n.startswith("mtp.")
+    )
+    assert (
+        rel_err(
+            ref["grads"]["decoder.layers.0.mlp.linear_fc1.weight"],
+            plain["grads"]["decoder.layers.0.mlp.linear_fc1.weight"],
+        )
+        > 1e-4
+    )
+    assert abs(ref["loss"] - plain["loss"]) <= 1e-6 * abs(plain["loss"])  # the reported loss is the policy's
+
+    two = {
+        "dp2": [*MTP_ON],
+        "cp2": [*MTP_ON, f"{AM}.context_parallel_size=2"],
+        "dynamic_cp": [*MTP_ON, f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=8"],
+    }
+    for rank_results in run_distributed(
+        mtp_step_layouts, world_size=2, args=(model_dir, _layouts(2, two), batch)
+    ):
+        for name, got in zip(two, rank_results, strict=True):
+            _same(got, ref, name)
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    for name in METRICS:
+        assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * ref["metrics"][name], (what, name)
+    assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]) + 1e-7, (what, got["loss"], ref["loss"])
+    assert got["grads"].keys() == ref["grads"].keys(), what
+    worst = max(rel_err(got["grads"][n], ref["grads"][n]) for n in ref["grads"])
+    assert worst < 1e-5, (what, worst)
+
+
+def test_no_mtp_target_gives_zero_loss_not_nan(model_dir: str) -> None:
+    # sequences of 2 tokens have no token c + 2: neither depth has a target
+    batch = verl_batch(seed=9, prompt_lens=[1, 1, 1, 1], response_lens=[1, 1, 1, 1])
+    (got,) = run_distributed(
+        mtp_step_layouts, world_size=1, args=(model_dir, _layouts(1, {"mtp": MTP_ON}), batch)
+    )[0]
+    for name in METRICS:
+        assert got["metrics"][name] == 0.0
+    assert all(torch.isfinite(g).all() for g in got["grads"].values())
+
+
+def test_old_gating_of_the_mtp_reduction_hangs_and_ours_finishes(model_dir: str) -> None:
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    (overrides,) = _layouts(2, {"cp2": [*MTP_ON, f"{AM}.context_parallel_size=2"]})
+    assert (
+        run_distributed(mtp_two_steps, world_size=2, args=(model_dir, overrides, batch, False))
+        == ["finished"] * 2
+    )
+    with pytest.raises(DistributedRunError, match=re.compile("timed? ?out", re.IGNORECASE)):
+        run_distributed(mtp_two_steps, world_size=2, args=(model_dir, overrides, batch, True), timeout_s=60)
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_named(tmp_path) -> None:
+    from verl_config import load_config
+    from verl_engine.build_rl import rl_engine_from_config
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    path = save_tiny_hf_model("qwen2", tmp_path / "plain", seed=1)
+    cfg = load_config(
+        overrides=[
+            *BASE,
+            "trainer.n_gpus_per_node=1",
+            f"actor_rollout_ref.model.path={path}",
+            *MTP_ON,
+        ]
+    )
+    with pytest.raises(
+        ValueError, match="mtp.enable=true but the model .* declares no multi-token-prediction layers"
+    ):
+        rl_engine_from_config(cfg, role="actor", device=torch.device("cpu"))
