@@ -41,3 +41,10 @@ def test_fsdp_sync_refuses_a_non_fsdp_module() -> None:
 
     with pytest.raises(AttributeError, match="not a Megatron-FSDP model"):
         compat.fsdp_synchronize_param_gather(torch.nn.Linear(2, 2))
+
+
+def test_megatron_mtp_scale_probe_runs_the_release_schedule() -> None:
+    # Megatron-LM #3959 (MTP gradient under-scaled by the CP size) is unfixed in every release of the
+    # matrix (0.14.0 to 0.19.2); the probe measures it from the installed schedule, so a release that
+    # fixes it flips the answer (and the README's compatibility table must then say so).
+    assert compat.megatron_mtp_scale_misses_cp() is True

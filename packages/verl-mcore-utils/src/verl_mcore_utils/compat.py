@@ -29,6 +29,7 @@ __all__ = [
     "make_packed_seq_params",
     "mcore_version",
     "megatron_fsdp_grad_precision",
+    "megatron_mtp_scale_misses_cp",
     "mtp_tracker",
     "packed_seq_params_fields",
     "prepare_megatron_import",
@@ -218,6 +219,44 @@ def mtp_tracker() -> MTPTracker:
         reduce=pick("reduce_metrics_in_tracker", "reduce_loss_in_tracker"),
         track=pick("track_mtp_metrics"),
     )
+
+
+@functools.cache
+def megatron_mtp_scale_misses_cp() -> bool:
+    """Does this release's pipeline schedule under-scale the MTP loss gradient by the CP size?
+
+    Megatron-LM PR #3959: ``forward_step_calc_loss`` multiplies the main loss by the CP size but sets
+    ``MTPLossAutoScaler``'s scale without it, so with megatron-core's own MTP loss and CP > 1 the MTP
+    gradient is ``1 / cp`` of what it should be. Measured, not looked up: the schedule's function runs on
+    a one-layer config with ``cp_group_size=2`` and the two scales are compared. verl-engine does not use
+    megatron-core's MTP loss path (see verl_mcore_utils.mtp), so its MTP gradient is right either way;
+    this tells users of megatron-core's own path whether their release needs the fix.
+    """
+    import_megatron_core()
+    import torch
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, mtp_num_layers=1)
+    saved = MTPLossAutoScaler.main_loss_backward_scale
+    try:
+        main, _ = forward_step_calc_loss(
+            object(),
+            torch.ones(()),
+            lambda t: (t, {}),
+            config,
+            None,
+            False,
+            1,
+            [],
+            cp_group_size=2,
+            is_last_stage=True,
+        )
+        mtp = float(MTPLossAutoScaler.main_loss_backward_scale)
+    finally:
+        MTPLossAutoScaler.main_loss_backward_scale = saved
+    return abs(float(main) - 2 * mtp) < 1e-12
 
 
 def megatron_fsdp_grad_precision(*, fp32: bool) -> dict[str, Any]:
