@@ -225,6 +225,9 @@ def pipeline_layouts(
             n: t.detach().float().cpu().clone()
             for n, t in export_hf_weights(engine.chunks, hf_config=load_hf_config(model_dir))
         }
+        critic, _ = _engine(overrides, "critic", model_dir, device)  # values (and a critic's PP section)
+        with critic.eval_mode():
+            values = critic.infer_batch(batch)["model_output"]["values"].float().cpu()
         out.append(
             {
                 "log_probs": infer["log_probs"].float().cpu(),
@@ -233,6 +236,7 @@ def pipeline_layouts(
                 "loss": step["loss"],
                 "metrics": step["metrics"],
                 "params": params,
+                "values": values,
             }
         )
     return out

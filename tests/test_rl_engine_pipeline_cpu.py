@@ -65,12 +65,17 @@ def test_pipeline_stages_equal_one_stage(model_dir: str) -> None:
         "pp2": PP2,
         "pp2_vpp2": [*PP2, f"{AM}.virtual_pipeline_model_parallel_size=2"],
         "pp2_mb1": [*PP2, f"{A}.ppo_micro_batch_size_per_gpu=1"],
+        # megatron-core's uneven split: 1 layer on the first stage, 3 on the last
+        "pp2_uneven": [*PP2, f"+{AM}.override_transformer_config.num_layers_in_first_pipeline_stage=1"],
+        "pp2_critic": [*PP2, "critic.megatron.pipeline_model_parallel_size=2"],
     }
     for rank_results in run_distributed(
         pipeline_layouts, world_size=2, args=(model_dir, _layouts(2, two), batch)
     ):
         for name, got in zip(two, rank_results, strict=True):
             _same(got, ref, name)
+            if name == "pp2_critic":  # a value model's values come from the last stage's value head
+                assert rel_err(got["values"], ref["values"]) < 1e-5, rel_err(got["values"], ref["values"])
 
 
 def test_pipeline_with_tensor_and_context_parallelism(model_dir: str) -> None:

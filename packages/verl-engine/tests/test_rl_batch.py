@@ -111,3 +111,15 @@ def test_the_tokenizer_of_model_path_is_transformers_auto_tokenizer(tmp_path) ->
     assert engine.tokenizer("hello world")["input_ids"] == [1, 2]
     with pytest.raises(RuntimeError, match="has no optimizer"):
         engine.optimizer_step()
+
+
+def test_micro_batches_are_split_to_a_multiple_of_the_pipeline_size() -> None:
+    import pytest
+
+    from verl_engine.rl_engine import split_to_multiple
+
+    assert split_to_multiple([(0, 1), (2, 3), (4,)], multiple=2) == [(0,), (1,), (2, 3), (4,)]
+    assert split_to_multiple([(0, 1, 2, 3)], multiple=4) == [(0,), (1,), (2,), (3,)]
+    assert split_to_multiple([(0,), (1,)], multiple=2) == [(0,), (1,)]
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=4 micro-batches.*only 3 sequences"):
+        split_to_multiple([(0, 1), (2,)], multiple=4)

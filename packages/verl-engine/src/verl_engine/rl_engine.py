@@ -50,7 +50,7 @@ from verl_engine.packed import (
 from verl_engine.pipeline import PipelineLayout, share_from_last_stage
 from verl_engine.rl_batch import RLBatch, read_scalar
 
-__all__ = ["SHARE_METRICS", "LossFunction", "MicroBatching", "RLEngine"]
+__all__ = ["SHARE_METRICS", "LossFunction", "MicroBatching", "RLEngine", "split_to_multiple"]
 
 # verl's loss call shape: loss, metrics = loss_fn(model_output=..., data=..., dp_group=...)
 LossFunction = Callable[..., tuple[torch.Tensor, Mapping[str, Any]]]
@@ -90,6 +90,28 @@ class MicroBatching:
         assert self.micro_batch_size_per_gpu is not None
         per = self.micro_batch_size_per_gpu * groups_per_pool
         return [tuple(range(s, min(s + per, len(seq_lens)))) for s in range(0, len(seq_lens), per)]
+
+
+def split_to_multiple(splits: list[tuple[int, ...]], *, multiple: int) -> list[tuple[int, ...]]:
+    """Halve the largest micro-batches until their number is a multiple of ``multiple``.
+
+    megatron-core's interleaved (virtual pipeline) schedule runs micro-batches in groups of the pipeline
+    size and refuses a count that is not a multiple of it. Smaller micro-batches change nothing but
+    memory and speed (losses are normalised over the whole call), so the engine splits rather than fail.
+    """
+    out = [tuple(s) for s in splits]
+    while len(out) % multiple:
+        largest = max(range(len(out)), key=lambda i: len(out[i]))
+        if len(out[largest]) < 2:
+            raise ValueError(
+                f"virtual pipeline stages need a multiple of pipeline_model_parallel_size={multiple} micro-batches"
+                f" (megatron-core's interleaved schedule), but this call has only {sum(map(len, out))} sequences in"
+                f" {len(out)} micro-batches; give at least {multiple} sequences per call or set"
+                " virtual_pipeline_model_parallel_size=null"
+            )
+        half = len(out[largest]) // 2
+        out[largest : largest + 1] = [out[largest][:half], out[largest][half:]]
+    return out
 
 
 class RLEngine:
@@ -368,11 +390,14 @@ class RLEngine:
     def _plan(self, batch: RLBatch) -> list[PlannedMicroBatch]:
         layout = self.cp_layout
         groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
+        splits = self.micro_batching.split(
+            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+        )
+        if self.pipeline.num_chunks > 1:
+            splits = split_to_multiple(splits, multiple=self.pipeline.size)
         return plan_micro_batches(
             batch.packed,
-            self.micro_batching.split(
-                batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
-            ),
+            splits,
             layout=layout,
             groups=self.cp_groups,
             tp_size=self.tp_size,

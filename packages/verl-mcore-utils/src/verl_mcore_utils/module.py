@@ -156,7 +156,17 @@ def _add_value_head(chunk: torch.nn.Module, config: TransformerConfig) -> None:
         )
     old = chunk.output_layer
     device = next(old.parameters()).device if any(True for _ in old.parameters()) else torch.device("cpu")
-    chunk.output_layer = ValueHead(config.hidden_size, dtype=config.params_dtype, device=device)
+    head = ValueHead(config.hidden_size, dtype=config.params_dtype, device=device)
+    # Initialised from its own generator (seeded with the process's torch seed), like megatron's output layer
+    # (normal, init_method_std): the head is then the same whatever the pipeline / virtual-stage layout consumed
+    # of the global RNG before it.
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    weight = torch.empty(head.weight.shape, dtype=torch.float32).normal_(
+        0.0, config.init_method_std, generator=generator
+    )
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    chunk.output_layer = head
 
 
 def make_megatron_module(
