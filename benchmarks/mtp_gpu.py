@@ -26,26 +26,14 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-
-QWEN25_05B = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
+from rl_engine_gpu import QWEN25_05B
 
 
 def save_model(path: Path, *, layers: int) -> Path:
     import transformers
 
-    config = transformers.Qwen2Config(
-        **QWEN25_05B, num_hidden_layers=layers, num_nextn_predict_layers=1, torch_dtype="float32"
-    )
+    shape = {**QWEN25_05B, "num_hidden_layers": layers, "num_nextn_predict_layers": 1}
+    config = transformers.Qwen2Config(**shape, torch_dtype="float32")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
