@@ -312,14 +312,25 @@ def mtp_step_layouts(
                 {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
             )
             grads = {
-                n: p.grad.detach().float().clone()
-                for n, p in unwrap_model(engine.model).named_parameters()
+                _global_name(gpt, n): p.grad.detach().float().clone()
+                for gpt in map(unwrap_model, engine.chunks)
+                for n, p in gpt.named_parameters()
                 if p.grad is not None
             }
         out.append(
             {"loss": result["loss"], "metrics": result["metrics"], "grads": grads, "reference": reference}
         )
     return out
+
+
+def _global_name(gpt: Any, name: str) -> str:
+    """``decoder.layers.<i>`` of a pipeline stage renamed with the layer's global number."""
+    import re
+
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if match is None:
+        return name
+    return f"decoder.layers.{gpt.decoder.layers[int(match.group(1))].layer_number - 1}.{match.group(2)}"
 
 
 def mtp_two_steps(

@@ -13,6 +13,7 @@ DeepSeek-V3 / MiMo key) is loaded through ``model.path`` with ``actor_rollout_re
 * a batch without any MTP target gives MTP losses of 0 and finite gradients, not NaN;
 * the deadlock of verl before PR #5895: with the reduction gated on CP rank 0 the run hangs (bounded by
   the harness' timeout); with the engine's own gating the same run finishes;
+* with pipeline stages (PP 2) the same loss, metrics and gradients as one stage;
 * MTP enabled for a model without MTP layers is a clear error.
 
 Bounds: 1e-5 relative (fp32, same arithmetic grouped differently).
@@ -102,6 +103,31 @@ def test_mtp_loss_matches_reference_and_is_independent_of_dp_and_cp(model_dir: s
     ):
         for name, got in zip(two, rank_results, strict=True):
             _same(got, ref, name)
+
+
+def test_mtp_with_pipeline_stages_equals_one_stage(model_dir: str) -> None:
+    """PP 2: MTP on the last stage with its own copy of the word embedding, whose gradient is summed with the
+    first stage's; loss, metrics and every gradient equal the one-stage run (the copy's gradient equals the
+    one-stage embedding's, which includes the MTP inputs' share)."""
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    (ref,) = run_distributed(
+        mtp_step_layouts, world_size=1, args=(model_dir, _layouts(1, {"mtp": MTP_ON}), batch)
+    )[0]
+    pp2 = {"pp2": [*MTP_ON, f"{AM}.pipeline_model_parallel_size=2"]}
+    first, last = (
+        r[0]
+        for r in run_distributed(mtp_step_layouts, world_size=2, args=(model_dir, _layouts(2, pp2), batch))
+    )
+    for got in (first, last):  # every stage returns the last stage's loss and metrics
+        for name in METRICS:
+            assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * ref["metrics"][name], name
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]) + 1e-7
+    grads = {**first["grads"], **last["grads"]}
+    copy = grads.pop("mtp_embedding.word_embeddings.weight")
+    assert grads.keys() == ref["grads"].keys()
+    worst = max(rel_err(grads[n], ref["grads"][n]) for n in ref["grads"])
+    assert worst < 1e-5, worst
+    assert rel_err(copy, ref["grads"]["embedding.word_embeddings.weight"]) < 1e-5
 
 
 def _same(got: dict, ref: dict, what: str) -> None:

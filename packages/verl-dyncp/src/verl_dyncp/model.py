@@ -74,7 +74,8 @@ def build_thd_gpt_model(
 
     Plain RoPE only: scaled variants are refused rather than silently built unscaled.
     ``mtp_num_layers`` > 0 attaches megatron-core's MTP block (same layer spec) as ``model.mtp`` on the
-    chunk that has the output layer; the model's own forward does not run it (see verl_mcore_utils.mtp).
+    chunk that has the output layer, and on a last stage without the word embedding a copy of it as
+    ``model.mtp_embedding``; the model's own forward runs neither (see verl_mcore_utils.mtp).
     """
     partial = float(hf_get(hf_config, "partial_rotary_factor", 1.0) or 1.0)
     spec = thd_layer_spec(tf_config, rotary_base=rope_theta(hf_config), rotary_percent=partial, kernel=kernel)
@@ -90,17 +91,13 @@ def build_thd_gpt_model(
         position_embedding_type="none",
     )
     if mtp_num_layers and post_process:
-        if not pre_process:
-            raise NotImplementedError(
-                "multi-token prediction with pipeline_model_parallel_size > 1: the MTP layers need the word"
-                " embedding on the last stage, which this model does not build yet; use"
-                " pipeline_model_parallel_size=1 with MTP (TP and CP work), or disable actor_rollout_ref.model.mtp"
-            )
-        from verl_mcore_utils.mtp import build_mtp_block
+        from verl_mcore_utils.mtp import build_mtp_block, build_mtp_embedding
 
         model.mtp = build_mtp_block(
             tf_config=tf_config, layer_spec=spec, num_layers=mtp_num_layers, vp_stage=vp_stage
         ).to(device)
+        if not pre_process:  # pipeline stages: the MTP inputs need a copy of the first stage's embedding
+            model.mtp_embedding = build_mtp_embedding(model, tf_config=tf_config).to(device)
     return model
 
 

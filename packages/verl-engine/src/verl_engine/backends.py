@@ -77,6 +77,10 @@ class DebugBackend:
                     loss.backward()
         if not forward_only:
             self._average_gradients(engine.model)
+            if engine.mtp_embedding_copy:
+                from verl_mcore_utils.mtp import sync_mtp_embedding
+
+                sync_mtp_embedding(engine.chunks, grads=True)
 
     def _average_gradients(self, model: torch.nn.Module) -> None:
         if self.pool_size == 1:

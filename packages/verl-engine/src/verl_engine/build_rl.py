@@ -158,9 +158,15 @@ def build_rl_engine(
         from verl_mcore_utils.weights import load_hf_weights
 
         load_hf_weights(chunks, model_path, hf_config=hf)
+    if mtp_layers and pp > 1:  # the last stage's copy of the word embedding starts as the first stage's
+        from verl_mcore_utils.mtp import sync_mtp_embedding
+
+        sync_mtp_embedding(chunks, grads=False)
     optimizer, lr_schedule = None, None
     if trains:
         optimizer = _optimizer(chunks, optim=optim, engine=engine, debug=debug, tf_config=tf_config)
+        if mtp_layers and pp > 1 and not debug:
+            _sum_mtp_embedding_grads_in_finalize(chunks)
         from verl_engine.lr_schedule import lr_schedule_from_config
 
         lr_schedule = lr_schedule_from_config(optim, total_training_steps=total_training_steps)
@@ -198,6 +204,7 @@ def build_rl_engine(
         lr_schedule=lr_schedule,
         tokenizer_path=model_path,
         pipeline=PipelineLayout.from_parallel_state(),
+        mtp_embedding_copy=bool(mtp_layers) and pp > 1 and trains,
         mtp=MtpSettings(
             num_layers=mtp_layers,
             scaling_factor=float(mtp.mtp_loss_scaling_factor),
@@ -291,3 +298,19 @@ def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug:
     optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
     attach_training_hooks(chunks, optimizer)
     return optimizer
+
+
+def _sum_mtp_embedding_grads_in_finalize(chunks: list[torch.nn.Module]) -> None:
+    """megatron-core's finalize_model_grads, then the MTP embedding pair's gradients summed (pipeline stages)."""
+    from verl_mcore_utils.module import get_model_config
+    from verl_mcore_utils.mtp import sync_mtp_embedding
+
+    config = get_model_config(chunks)
+    finalize = config.finalize_model_grads_func
+
+    def finalize_with_mtp_embedding(*args: Any, **kwargs: Any) -> Any:
+        out = finalize(*args, **kwargs)
+        sync_mtp_embedding(chunks, grads=True)
+        return out
+
+    config.finalize_model_grads_func = finalize_with_mtp_embedding

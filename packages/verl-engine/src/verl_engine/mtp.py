@@ -131,6 +131,10 @@ def run_mtp(
     if weight is None:
         weight = gpt.output_layer.weight
     weight = weight.detach()  # MTP must not train the LM head
+    # the last stage's copy of the word embedding with pipeline stages, else the model's own
+    embedding = getattr(gpt, "mtp_embedding", None)
+    if embedding is None:
+        embedding = gpt.embedding
     total = hidden.new_zeros((), dtype=torch.float32)
     h = hidden
     for k in range(1, settings.num_layers + 1):
@@ -139,7 +143,7 @@ def run_mtp(
         valid = targets >= 0
         if label_mask is not None:
             valid &= dynamic_cp_take_ahead(label_mask, micro_batch=micro_batch, shift=k + 1, fill=False)
-        embedded = gpt.embedding(input_ids=inputs[None], position_ids=None)
+        embedded = embedding(input_ids=inputs[None], position_ids=None)
         if settings.detach_encoder:
             embedded, h = embedded.detach(), h.detach()
         h = mtp_layer_forward(

@@ -139,6 +139,7 @@ class RLEngine:
         tokenizer_path: str | None = None,
         pipeline: PipelineLayout | None = None,
         mtp: MtpSettings | None = None,
+        mtp_embedding_copy: bool = False,
     ) -> None:
         # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
@@ -152,6 +153,9 @@ class RLEngine:
                 f"{len(self.chunks)} model chunks for a pipeline layout of {self.pipeline.num_chunks} chunks per stage"
             )
         self.mtp = mtp
+        # pipeline stages with MTP layers: the last stage's copy of the word embedding takes the summed
+        # gradient of both copies (verl_mcore_utils.mtp.sync_mtp_embedding) so they stay equal
+        self.mtp_embedding_copy = mtp_embedding_copy
         self.optimizer = optimizer
         self.backend = backend
         self.tp_group = tp_group

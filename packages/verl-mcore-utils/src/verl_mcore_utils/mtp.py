@@ -26,7 +26,7 @@ from megatron.core.transformer.multi_token_prediction import MultiTokenPredictio
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-__all__ = ["build_mtp_block", "mtp_layer_forward"]
+__all__ = ["build_mtp_block", "build_mtp_embedding", "mtp_layer_forward", "sync_mtp_embedding"]
 
 
 def build_mtp_block(
@@ -45,7 +45,38 @@ def build_mtp_block(
         raise ValueError(
             "megatron-core builds no MTP layers on this pipeline stage; build the MTP block on the last stage only"
         )
-    return MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage)
+    block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage)
+    _initialise(block, std=tf_config.init_method_std)
+    return block
+
+
+@torch.no_grad()
+def _initialise(block: torch.nn.Module, *, std: float) -> None:
+    """Fresh MTP weights that do not depend on the parallel layout.
+
+    The supported Hugging Face checkpoints carry no MTP tensors, so the layers start from initialisation;
+    megatron-core's own init draws from the global RNG after the decoder layers of *this* stage, so the
+    result would change with the pipeline split and the TP size. Here every parameter is drawn whole from a
+    generator seeded with the process's torch seed (in name order), and each TP rank keeps its slice:
+    matrices normal(0, ``init_method_std``), norm weights 1, biases 0.
+    """
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    for name, param in sorted(block.named_parameters()):
+        if param.ndim == 1:
+            param.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        shape = list(param.shape)
+        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+        if sharded:
+            shape[param.partition_dim] *= tp_size
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        if sharded:
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(full)
 
 
 def mtp_layer_forward(
@@ -74,3 +105,72 @@ def mtp_layer_forward(
         attention_mask=None,
         packed_seq_params=packed_seq_params,
     )
+
+
+def build_mtp_embedding(gpt: Any, *, tf_config: TransformerConfig) -> torch.nn.Module:
+    """A second word embedding for the MTP layers of a last stage that is not also the first stage.
+
+    MTP depth ``k`` embeds token ``t + k``; with pipeline stages the word embedding lives on the first
+    stage, so the last stage gets its own copy (megatron-core does the same for its MTP path). Keep it
+    equal to the first stage's with :func:`sync_mtp_embedding` (weights once after loading, gradients
+    after every backward).
+    """
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    return LanguageModelEmbedding(
+        config=tf_config,
+        vocab_size=gpt.vocab_size,
+        max_sequence_length=gpt.max_sequence_length,
+        position_embedding_type="none",
+    )
+
+
+def _mtp_embedding_member(chunks: Any) -> torch.nn.Parameter | None:
+    """This rank's member of the pair (first stage's word embedding, last stage's MTP copy), if any."""
+    from verl_mcore_utils.module import unwrap_model
+
+    for chunk in chunks:
+        gpt = unwrap_model(chunk)
+        copy = getattr(gpt, "mtp_embedding", None)
+        if copy is not None:
+            return copy.word_embeddings.weight
+    for chunk in chunks:
+        gpt = unwrap_model(chunk)
+        if gpt.pre_process:
+            return gpt.embedding.word_embeddings.weight
+    return None
+
+
+def sync_mtp_embedding(chunks: Any, *, grads: bool) -> None:
+    """Make the last stage's MTP embedding equal to the first stage's word embedding.
+
+    ``grads=False``: weights (the first stage's values win: the copy is zeroed, then both are summed over
+    the embedding group). ``grads=True``: the two gradients are summed (``main_grad`` under megatron-core's
+    DDP, else ``.grad``; a missing one counts as zero), so both copies take the same optimizer step. Call it
+    on every rank when the model has MTP layers and pipeline stages (ranks outside the first and last stage
+    return at once); it is a collective over megatron-core's embedding group.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    member = _mtp_embedding_member(chunks)
+    if member is None:
+        raise RuntimeError(
+            "this rank is on the first or last pipeline stage but holds neither the word embedding nor the MTP"
+            " embedding copy; build the model with verl_dyncp's provider (mtp_num_layers) on every stage"
+        )
+    group = parallel_state.get_embedding_group()
+    if not grads:
+        with torch.no_grad():
+            if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+                member.zero_()
+            dist.all_reduce(member.data, group=group)
+        return
+    attr = "main_grad" if hasattr(member, "main_grad") else "grad"
+    grad = getattr(member, attr)
+    if grad is None:
+        grad = torch.zeros_like(member)
+        setattr(member, attr, grad)
+    dist.all_reduce(grad, group=group)

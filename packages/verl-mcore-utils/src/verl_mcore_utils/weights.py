@@ -450,7 +450,9 @@ def _groups() -> _Groups:
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-MTP_PREFIX = "mtp."  # megatron-core's MultiTokenPredictionBlock, attached as GPTModel.mtp
+# megatron-core's MultiTokenPredictionBlock (GPTModel.mtp) and, with pipeline stages, the last stage's copy of the
+# word embedding for it (GPTModel.mtp_embedding, kept equal to the first stage's by verl_mcore_utils.mtp)
+MTP_PREFIXES = ("mtp.", "mtp_embedding.")
 
 
 def local_megatron_params(
@@ -469,7 +471,7 @@ def local_megatron_params(
     out: dict[str, tuple[ParamMapping, torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
-            if name.startswith(MTP_PREFIX):
+            if name.startswith(MTP_PREFIXES):
                 continue
             global_name = name
             match = _LAYER_NAME.match(name)
