@@ -360,3 +360,31 @@ def mtp_two_steps(
         for _ in range(2):
             engine.train_batch(batch, loss)
     return "finished"
+
+
+def export_layouts(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    bucket_bytes: int,
+) -> list[dict[str, Any]]:
+    """Per layout: one PPO step (so the weights are no longer the checkpoint's), the engine's log-probs, then
+    the weights for rollout in buckets (every rank iterates; rank 0 returns them)."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        with engine.train_mode():
+            engine.train_batch(batch, partial(ppo_loss, config=cfg.actor_rollout_ref.actor))
+        with engine.eval_mode():
+            log_probs = engine.infer_batch(batch)["model_output"]["log_probs"].float()
+        buckets = [
+            [(n, t.clone()) for n, t in b] for b in engine.export_weight_buckets(bucket_bytes=bucket_bytes)
+        ]
+        out.append({"log_probs": log_probs, "buckets": buckets if rank == 0 else None})
+    return out

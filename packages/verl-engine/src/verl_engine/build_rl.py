@@ -205,6 +205,7 @@ def build_rl_engine(
         tokenizer_path=model_path,
         pipeline=PipelineLayout.from_parallel_state(),
         mtp_embedding_copy=bool(mtp_layers) and pp > 1 and trains,
+        hf_config=hf,
         mtp=MtpSettings(
             num_layers=mtp_layers,
             scaling_factor=float(mtp.mtp_loss_scaling_factor),

@@ -140,6 +140,7 @@ class RLEngine:
         pipeline: PipelineLayout | None = None,
         mtp: MtpSettings | None = None,
         mtp_embedding_copy: bool = False,
+        hf_config: Mapping[str, Any] | None = None,
     ) -> None:
         # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
@@ -156,6 +157,7 @@ class RLEngine:
         # pipeline stages with MTP layers: the last stage's copy of the word embedding takes the summed
         # gradient of both copies (verl_mcore_utils.mtp.sync_mtp_embedding) so they stay equal
         self.mtp_embedding_copy = mtp_embedding_copy
+        self.hf_config = hf_config
         self.optimizer = optimizer
         self.backend = backend
         self.tp_group = tp_group
@@ -258,6 +260,34 @@ class RLEngine:
 
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------ weights for rollout
+    def export_weight_buckets(
+        self, *, bucket_bytes: int = 1 << 29
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The model's weights under Hugging Face names, gathered over TP and PP, in buckets of at most
+        ``bucket_bytes`` (a bigger tensor alone): what a rollout engine (vLLM / SGLang) loads.
+
+        Tensors are copies owned by each bucket; the extra memory is one bucket plus the tensor being
+        gathered. A collective: every rank iterates to the end, in step (each gets every bucket). MTP layers
+        are not included (the supported architectures have no Hugging Face names for them).
+        """
+        from verl_mcore_utils.weights import export_hf_weight_buckets
+
+        if self.value_model:
+            raise ValueError(
+                "a value model (critic) has no language-model weights to send to a rollout engine"
+            )
+        if self.hf_config is None:
+            raise ValueError(
+                "this engine was built without a Hugging Face config; it cannot name its weights"
+            )
+        yield from export_hf_weight_buckets(self.chunks, hf_config=self.hf_config, bucket_bytes=bucket_bytes)
+
+    def get_per_tensor_param(self, *, bucket_bytes: int = 1 << 29) -> Iterator[tuple[str, torch.Tensor]]:
+        """verl's name: ``(hf_name, tensor)`` pairs, one at a time, read bucket by bucket."""
+        for bucket in self.export_weight_buckets(bucket_bytes=bucket_bytes):
+            yield from bucket
 
     # ------------------------------------------------------------------------------ batches
     def train_batch(self, data: Mapping[str, Any], loss_function: LossFunction) -> dict[str, Any]:
