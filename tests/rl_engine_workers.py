@@ -388,3 +388,57 @@ def export_layouts(
         ]
         out.append({"log_probs": log_probs, "buckets": buckets if rank == 0 else None})
     return out
+
+
+def _die_before_meta(path: Any, payload: Any, *, original: Any) -> None:
+    """A checkpoint writer that is killed (SIGKILL) when it reaches the step's meta.json."""
+    import os
+    import signal
+
+    if path.name == "meta.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    original(path, payload)
+
+
+def checkpoint_run(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    overrides: list[str],
+    batches: list[dict[str, Any]],
+    root: str,
+    steps: list[int],
+    save_at: int | list[int] | None = None,
+    load: bool = False,
+    load_optimizer: bool = True,
+    kill_on_save: int | None = None,
+    keep: int | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` (1-based step numbers; batch ``s - 1`` each) after optionally loading ``root``; save at
+    ``save_at`` (one step or several; ``keep``: max_ckpt_to_keep). ``kill_on_save``: that step's save kills this process (SIGKILL) just before its metadata is
+    written. Returns the losses, this rank's parameters (local names) and log-probs of batch 0 after training."""
+    from functools import partial
+
+    from verl_engine import checkpoint as ckpt
+    from verl_engine.losses import ppo_loss
+
+    engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+    loaded = engine.load_checkpoint(root, load_optimizer=load_optimizer) if load else None
+    loss = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+    losses = []
+    for step in steps:
+        with engine.train_mode():
+            out = engine.train_batch(batches[step - 1], loss)
+        engine.lr_scheduler_step()
+        losses.append(out["loss"])
+        if step == kill_on_save:
+            ckpt._write_json = partial(_die_before_meta, original=ckpt._write_json)
+        saves = save_at if isinstance(save_at, list) else [save_at]
+        if step in (*saves, kill_on_save):
+            engine.save_checkpoint(
+                root, global_step=step, data_position={"epoch": 0, "index": step * 4}, max_ckpt_to_keep=keep
+            )
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(batches[0])["model_output"]["log_probs"].float()
+    params = {n: p.detach().clone() for n, p in ckpt._params(engine).items()}
+    return {"losses": losses, "params": params, "log_probs": log_probs, "loaded": loaded}

@@ -261,6 +261,32 @@ class RLEngine:
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        path: str,
+        *,
+        global_step: int,
+        data_position: Any = None,
+        max_ckpt_to_keep: int | None = None,
+    ) -> Any:
+        """Atomic checkpoint under ``path/global_step_<N>`` (every rank calls it); see :mod:`verl_engine.checkpoint`."""
+        from verl_engine.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            self,
+            path,
+            global_step=global_step,
+            data_position=data_position,
+            max_ckpt_to_keep=max_ckpt_to_keep,
+        )
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
+        """Restore a step directory or a root's latest step; returns its ``global_step`` and ``data_position``."""
+        from verl_engine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, load_optimizer=load_optimizer)
+
     # ------------------------------------------------------------------------------ weights for rollout
     def export_weight_buckets(
         self, *, bucket_bytes: int = 1 << 29
