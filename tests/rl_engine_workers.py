@@ -442,3 +442,70 @@ def checkpoint_run(
         log_probs = engine.infer_batch(batches[0])["model_output"]["log_probs"].float()
     params = {n: p.detach().clone() for n, p in ckpt._params(engine).items()}
     return {"losses": losses, "params": params, "log_probs": log_probs, "loaded": loaded}
+
+
+def offload_round_trip(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    overrides: list[str],
+    batch: dict[str, Any],
+    round_trip: bool = True,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """One PPO step (so grads and optimizer state exist), snapshot everything, offload all, onload all, compare
+    bitwise; then one more step with and without the round trip must agree too (the engine still works)."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    engine, cfg = _engine(overrides, "actor", model_dir, device)
+    loss = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        engine.forward_backward_batch(batch, loss)
+        engine.optimizer_step()
+        engine.forward_backward_batch(batch, loss)  # gradients present at offload time
+
+        def snapshot() -> dict[str, torch.Tensor]:
+            out = {}
+            for i, chunk in enumerate(engine.chunks):
+                for n, p in chunk.named_parameters():
+                    out[f"param/{i}.{n}"] = p.detach().clone()
+                    grad = (
+                        getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+                    )
+                    if grad is not None:
+                        out[f"grad/{i}.{n}"] = grad.detach().clone()
+            opt = engine.optimizer
+            inner = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
+            for j, state in enumerate(inner.state.values()):
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"optim/{j}/{k}"] = v.detach().clone()
+            return out
+
+        before = snapshot()
+        stats, stats_back, twice = {}, {}, ""
+        if round_trip:
+            from verl_mcore_utils.offload import OffloadStateError
+
+            stats = engine.offload()
+            try:
+                engine.offload()
+            except OffloadStateError as err:
+                twice = str(err)
+            stats_back = engine.onload()
+        after = snapshot()
+        mismatched = [k for k in before if not torch.equal(before[k], after[k])]
+        engine.optimizer_step()
+        result = engine.forward_backward_batch(batch, loss)
+    return {
+        "keys": sorted(before),
+        "mismatched": mismatched,
+        "moved": stats,
+        "back": stats_back,
+        "twice": twice,
+        "loss_after": result["loss"],
+        "params_after": {k: v for k, v in snapshot().items() if k.startswith("param/")},
+    }

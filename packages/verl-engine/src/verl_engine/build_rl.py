@@ -297,6 +297,12 @@ def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug:
     )
     kwargs["params_dtype"] = tf_config.params_dtype  # verl-config is torch-free: it names the dtype
     optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
+    # megatron-core puts biases and norm weights in groups with wd_mult 0 but leaves their weight_decay at the
+    # config's value: its OptimizerParamScheduler multiplies them in every step. Without that scheduler (the
+    # engine has its own LR schedule) set it once, or those parameters would be decayed (the debug backend's
+    # AdamW groups do the same split).
+    for group in optimizer.param_groups:
+        group["weight_decay"] = float(optim.weight_decay) * float(group.get("wd_mult", 1.0))
     attach_training_hooks(chunks, optimizer)
     return optimizer
 

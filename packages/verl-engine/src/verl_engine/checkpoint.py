@@ -141,6 +141,36 @@ def _optimizer_state(engine: Any) -> Any:
     return optimizer.state_dict()
 
 
+def _masters(engine: Any) -> list[torch.Tensor]:
+    """The fp32 master copies of megatron-core's mixed-precision optimizer (none for a plain torch optimizer).
+
+    Saved and restored explicitly: what the optimizer's own state_dict does with them differs by release, and
+    re-deriving them from the bf16 model would lose their low bits (resume would not be exact).
+    """
+    if engine.optimizer is None:
+        return []
+    from verl_mcore_utils.offload import master_params
+
+    return master_params(engine.optimizer)
+
+
+def _restore_masters(engine: Any, tensors: Mapping[str, torch.Tensor], *, file: Path) -> None:
+    masters = _masters(engine)
+    stored = sum(1 for k in tensors if k.startswith("master/"))
+    if stored != len(masters):
+        raise CheckpointError(
+            f"{file} holds {stored} fp32 master copies; this engine's optimizer has {len(masters)}"
+        )
+    with torch.no_grad():
+        for i, master in enumerate(masters):
+            value = tensors[f"master/{i}"]
+            if value.shape != master.shape:
+                raise CheckpointError(
+                    f"{file}: master copy {i} is {tuple(value.shape)}, the optimizer's {tuple(master.shape)}"
+                )
+            master.copy_(value)
+
+
 # ----------------------------------------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -222,6 +252,8 @@ def save_checkpoint(
     params = _params(engine)
     for name, param in params.items():
         tensors[f"param/{name}"] = param.detach().to("cpu").contiguous()
+    for i, master in enumerate(_masters(engine)):
+        tensors[f"master/{i}"] = master.detach().to("cpu").contiguous()
     skeleton = {
         "optimizer": _flatten(_optimizer_state(engine), "optimizer", tensors),
         "rng": _flatten(_rng_state(), "rng", tensors),
@@ -407,8 +439,8 @@ def load_checkpoint(
                 f" has {'an' if engine.optimizer is not None else 'no'} optimizer"
             )
         if state is not None:
-            # megatron-core's mixed-precision optimizer restores its fp32 master copies from the state too
             engine.optimizer.load_state_dict(state)
+            _restore_masters(engine, tensors, file=directory / name)
         if engine.lr_schedule is not None and meta["lr_schedule"] is not None:
             engine.lr_schedule.load_state_dict(meta["lr_schedule"])
         _set_rng_state(_unflatten(skeleton["rng"], tensors))

@@ -261,6 +261,34 @@ class RLEngine:
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # ------------------------------------------------------------------------------ offload
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """Move the selected training state to host memory (between phases: rollout uses the GPU meanwhile).
+
+        verl-mcore-utils' offload: whole device storages copied into one reused host buffer each (host memory
+        stays 1x), device memory released; DDP / distributed-optimizer views stay valid. A group already
+        offloaded is an error, as is using the engine before :meth:`onload`. Returns the transfer stats.
+        """
+        from verl_mcore_utils.offload import offload_megatron_model, offload_megatron_optimizer
+
+        out: dict[str, Any] = {}
+        if params or grads:
+            out["model"] = offload_megatron_model(self.chunks, params=params, grads=grads).as_dict()
+        if optimizer and self.optimizer is not None:
+            out["optimizer"] = offload_megatron_optimizer(self.optimizer).as_dict()
+        return out
+
+    def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """Bring back, bit for bit, what :meth:`offload` moved (the same selection)."""
+        from verl_mcore_utils.offload import onload_megatron_model, onload_megatron_optimizer
+
+        out: dict[str, Any] = {}
+        if params or grads:
+            out["model"] = onload_megatron_model(self.chunks, params=params, grads=grads).as_dict()
+        if optimizer and self.optimizer is not None:
+            out["optimizer"] = onload_megatron_optimizer(self.optimizer).as_dict()
+        return out
+
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self,

@@ -68,6 +68,7 @@ __all__ = [
     "get_offload_state",
     "is_offloaded",
     "leaf_optimizers",
+    "master_params",
     "model_offload_kinds",
     "offload_megatron_model",
     "offload_megatron_optimizer",
@@ -613,7 +614,11 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
-def _master_params(optimizer: Any) -> list[torch.Tensor]:
+def master_params(optimizer: Any) -> list[torch.Tensor]:
+    """The fp32 master copies of megatron-core's mixed-precision optimizers, in a fixed order (none for torch's).
+
+    Public because checkpoints (verl_engine) must save exactly these tensors too.
+    """
     out: list[torch.Tensor] = []
     for leaf in leaf_optimizers(optimizer):
         for attr in _MASTER_PARAM_ATTRS:
@@ -624,7 +629,7 @@ def _master_params(optimizer: Any) -> list[torch.Tensor]:
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     """Master copies (megatron mixed precision) and every tensor in the inner optimizer's state."""
-    tensors = _master_params(optimizer)
+    tensors = master_params(optimizer)
     for leaf in leaf_optimizers(optimizer):
         inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -659,7 +664,7 @@ def offload_megatron_optimizer(
             f"optimizer of {state.label} is already offloaded; onload it before offloading again"
         )
     if drop_master_grads:
-        for master in _master_params(optimizer):
+        for master in master_params(optimizer):
             master.grad = None
     return _offload([(state, "optimizer", _optimizer_tensors(optimizer))], empty_cache)
 

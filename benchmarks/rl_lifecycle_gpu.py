@@ -1,0 +1,249 @@
+"""The RL lifecycle on one GPU, bf16: offload / onload, weights for rollout in buckets, checkpoint resume.
+
+    python3 benchmarks/rl_lifecycle_gpu.py --out benchmarks/results/rl_lifecycle_h100.json
+
+A random Qwen2.5-0.5B-shaped model (``--layers`` decoder layers) loaded through ``model.path``; the actor
+engine on the megatron backend, once with DDP + megatron's mixed-precision optimizer and once with the
+distributed optimizer. Per backend:
+
+* offload: one PPO step (gradients and Adam state exist), then ``offload()`` of parameters, gradients and
+  optimizer state; GPU memory allocated before / after (must be <= 5% left) and the copy rate against a
+  pinned host<->device copy of the same size measured in the same run (must be >= 80%); ``onload()`` and a
+  bitwise comparison of every parameter, main gradient and optimizer-state tensor;
+* weights for rollout: ``export_weight_buckets(bucket_bytes)``; peak GPU memory above the model during the
+  export vs the bound (one bucket + the largest tensor);
+* checkpoint (DDP + mixed-precision optimizer): save after step 1, step 2; load, step 2 again: the same
+  loss and parameters, bitwise. The distributed optimizer's checkpoint is refused with its message.
+
+Writes JSON (device, versions, config, numbers) to ``--out``; exits non-zero when a bound fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from rl_engine_gpu import make_batch, save_model
+
+
+def pinned_copy_gb_per_s(nbytes: int) -> dict[str, float]:
+    """Reference: one pinned host buffer <-> device copy of ``nbytes``, each way (best of 3)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = {"h2d": 0.0, "d2h": 0.0}
+    for _ in range(3):
+        for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            rates[name] = max(rates[name], nbytes / (time.perf_counter() - t0) / 1e9)
+    del host, dev
+    torch.cuda.empty_cache()
+    return rates
+
+
+def snapshot(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, chunk in enumerate(engine.chunks):
+        for n, p in chunk.named_parameters():
+            out[f"param/{i}.{n}"] = p.detach().cpu().clone()
+            grad = getattr(p, "main_grad", None)
+            if grad is not None:
+                out[f"grad/{i}.{n}"] = grad.detach().cpu().clone()
+    from verl_mcore_utils.offload import leaf_optimizers
+
+    for j, leaf in enumerate(leaf_optimizers(engine.optimizer)):
+        inner = leaf if isinstance(leaf, torch.optim.Optimizer) else leaf.optimizer
+        for k, state in enumerate(inner.state.values()):
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim/{j}/{k}/{key}"] = v.detach().cpu().clone()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state
+
+    from verl_config import load_config
+    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.parallel import init_parallel
+
+    work = Path(tempfile.mkdtemp())
+    model_dir = save_model(work / "model", layers=args.layers)
+    batch = make_batch(n=16, prompt=256, response=512, vocab=151936, seed=0)
+    init_parallel(device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    records = {}
+    ok = True
+    for dist_opt in (False, True):
+        overrides = [
+            "model_engine=megatron",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "data.train_batch_size=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.optim.total_training_steps=10",
+            "critic.optim.total_training_steps=10",
+            f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={str(dist_opt).lower()}",
+        ]
+        cfg = load_config(overrides=overrides)
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()  # whatever an earlier engine of this process left behind
+        engine = rl_engine_from_config(cfg, role="actor", device=device)
+        loss = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            engine.forward_backward_batch(batch, loss)
+            engine.optimizer_step()
+            engine.forward_backward_batch(batch, loss)  # main grads present at offload time
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = snapshot(engine)
+            allocated_before = torch.cuda.memory_allocated()
+            moved = engine.offload()
+            allocated_after = torch.cuda.memory_allocated()
+            back = engine.onload()
+            after = snapshot(engine)
+        mismatched = [k for k in before if not torch.equal(before[k], after[k])]
+        total = sum(m["total_bytes"] for m in moved.values())
+        ref = pinned_copy_gb_per_s(total)
+        offload_rate = total / sum(m["seconds"] for m in moved.values()) / 1e9
+        onload_rate = total / sum(m["seconds"] for m in back.values()) / 1e9
+        left = (allocated_after - baseline) / (allocated_before - baseline)
+        rec = {
+            "offload": {
+                "bytes_moved": total,
+                "allocated_before_building_gib": baseline / 2**30,
+                "allocated_before_gib": allocated_before / 2**30,
+                "allocated_after_gib": allocated_after / 2**30,
+                "fraction_left": left,
+                "offload_gb_per_s": offload_rate,
+                "onload_gb_per_s": onload_rate,
+                "pinned_d2h_gb_per_s": ref["d2h"],
+                "pinned_h2d_gb_per_s": ref["h2d"],
+                "offload_vs_pinned": offload_rate / ref["d2h"],
+                "onload_vs_pinned": onload_rate / ref["h2d"],
+                "tensors_compared": len(before),
+                "bitwise_mismatches": mismatched[:10],
+                "details": {"offload": moved, "onload": back},
+            }
+        }
+        ok &= (
+            left <= 0.05
+            and not mismatched
+            and offload_rate >= 0.8 * ref["d2h"]
+            and onload_rate >= 0.8 * ref["h2d"]
+        )
+
+        bucket = args.bucket_mib << 20
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        largest = 0
+        sizes = []
+        for b in engine.export_weight_buckets(bucket_bytes=bucket):
+            nbytes = [t.numel() * t.element_size() for _, t in b]
+            largest = max(largest, *nbytes)
+            sizes.append(sum(nbytes))
+            del b
+        peak_extra = torch.cuda.max_memory_allocated() - base
+        rec["export"] = {
+            "bucket_bytes": bucket,
+            "buckets": len(sizes),
+            "largest_bucket_bytes": max(sizes),
+            "largest_tensor_bytes": largest,
+            "peak_extra_bytes": peak_extra,
+            "bound_bytes": bucket + largest,
+            "within_bound": peak_extra <= bucket + largest,
+        }
+        ok &= rec["export"]["within_bound"]
+
+        root = work / f"ckpt_{dist_opt}"
+        try:
+            engine.save_checkpoint(str(root), global_step=1)
+            at_save = snapshot(engine)
+            groups_at_save = [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+            ]
+            with engine.train_mode():
+                second = engine.train_batch(batch, loss)
+            params_2 = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
+            engine.load_checkpoint(str(root))
+            at_load = snapshot(engine)
+            groups_at_load = [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+            ]
+            not_restored = [
+                k for k in at_save if not k.startswith("grad/") and not torch.equal(at_save[k], at_load[k])
+            ]
+            with engine.train_mode():
+                again = engine.train_batch(batch, loss)
+            params_again = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
+            same = second["loss"] == again["loss"] and all(
+                torch.equal(params_2[k], params_again[k]) for k in params_2
+            )
+            rec["checkpoint"] = {
+                "resumed_loss": again["loss"],
+                "uninterrupted_loss": second["loss"],
+                "bitwise": same,
+                "state_not_restored": not_restored[:20],
+                "param_groups_equal": repr(groups_at_save) == repr(groups_at_load),
+                "param_groups_at_save": repr(groups_at_save)[:800],
+                "param_groups_at_load": repr(groups_at_load)[:800],
+                "params_differing_after_step": [
+                    k for k in params_2 if not torch.equal(params_2[k], params_again[k])
+                ][:10],
+            }
+            ok &= same
+        except NotImplementedError as err:
+            rec["checkpoint"] = {"refused": str(err)}
+            ok &= dist_opt  # only the distributed optimizer may be refused
+        records["dist_opt" if dist_opt else "ddp_mixed_precision"] = rec
+        engine = None
+        torch.cuda.empty_cache()
+        parallel_state.destroy_model_parallel()
+        init_parallel(device="cuda")
+
+    record = {
+        "benchmark": "rl_lifecycle_gpu",
+        "device": torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "versions": {
+            p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")
+        },
+        "config": {
+            "model": "Qwen2.5-0.5B-shaped, random weights",
+            "layers": args.layers,
+            "dtype": "bfloat16",
+        },
+        "results": records,
+        "all_bounds_met": ok,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    print(json.dumps(record, indent=2, default=float))
+    if not ok:
+        raise SystemExit("a lifecycle bound failed: see the record")
+
+
+if __name__ == "__main__":
+    main()
