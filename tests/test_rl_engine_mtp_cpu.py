@@ -158,7 +158,7 @@ def test_old_gating_of_the_mtp_reduction_hangs_and_ours_finishes(model_dir: str)
         == ["finished"] * 2
     )
     with pytest.raises(DistributedRunError, match=re.compile("timed? ?out", re.IGNORECASE)):
-        run_distributed(mtp_two_steps, world_size=2, args=(model_dir, overrides, batch, True), timeout_s=60)
+        run_distributed(mtp_two_steps, world_size=2, args=(model_dir, overrides, batch, True), timeout_s=45)
 
 
 def test_mtp_on_a_model_without_mtp_layers_is_named(tmp_path) -> None:
