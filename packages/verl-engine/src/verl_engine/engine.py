@@ -42,6 +42,7 @@ from verl_engine.packed import (
     plan_micro_batches,
     split_packed_micro_batches,
 )
+from verl_engine.pipeline import PipelineLayout
 from verl_mcore_utils.compat import import_megatron_core, make_megatron_optimizer
 from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
@@ -97,6 +98,12 @@ class Engine:
         cp_workload: WorkloadModel | None = None,
     ) -> None:
         self.model = model
+        # what the backends read from any engine (verl_engine.backends): one chunk, no pipeline stages, no MTP
+        self.chunks = [model]
+        self.pipeline = PipelineLayout(
+            size=1, rank=0, num_chunks=1, group=None, ranks=(dist.get_rank() if dist.is_initialized() else 0,)
+        )
+        self.mtp_embedding_copy = False
         self.optimizer = optimizer
         self.runner = runner
         self.dims = dims
