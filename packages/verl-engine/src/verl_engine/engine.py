@@ -100,9 +100,7 @@ class Engine:
         self.model = model
         # what the backends read from any engine (verl_engine.backends): one chunk, no pipeline stages, no MTP
         self.chunks = [model]
-        self.pipeline = PipelineLayout(
-            size=1, rank=0, num_chunks=1, group=None, ranks=(dist.get_rank() if dist.is_initialized() else 0,)
-        )
+        self.pipeline = PipelineLayout.single_stage()
         self.mtp_embedding_copy = False
         self.optimizer = optimizer
         self.runner = runner

@@ -45,18 +45,19 @@ class PipelineLayout:
             raise ValueError(f"num_chunks must be >= 1, got {self.num_chunks}")
 
     @classmethod
+    def single_stage(cls) -> PipelineLayout:
+        """No pipeline: this rank holds the whole model as one chunk."""
+        return cls(
+            size=1, rank=0, num_chunks=1, group=None, ranks=(dist.get_rank() if dist.is_initialized() else 0,)
+        )
+
+    @classmethod
     def from_parallel_state(cls) -> PipelineLayout:
         from megatron.core import parallel_state as ps
 
         size = ps.get_pipeline_model_parallel_world_size()
         if size == 1:
-            return cls(
-                size=1,
-                rank=0,
-                num_chunks=1,
-                group=None,
-                ranks=(dist.get_rank() if dist.is_initialized() else 0,),
-            )
+            return cls.single_stage()
         group = ps.get_pipeline_model_parallel_group()
         return cls(
             size=size,

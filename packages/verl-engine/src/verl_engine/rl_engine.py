@@ -146,9 +146,7 @@ class RLEngine:
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
         self.chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
-        self.pipeline = pipeline or PipelineLayout(
-            size=1, rank=0, num_chunks=1, group=None, ranks=(dist.get_rank() if dist.is_initialized() else 0,)
-        )
+        self.pipeline = pipeline or PipelineLayout.single_stage()
         if self.pipeline.num_chunks != len(self.chunks):
             raise ValueError(
                 f"{len(self.chunks)} model chunks for a pipeline layout of {self.pipeline.num_chunks} chunks per stage"
@@ -452,7 +450,8 @@ class RLEngine:
     def _stage_forward(
         self, model: torch.nn.Module, mb: PlannedMicroBatch, *, packed: PackedBatch
     ) -> torch.Tensor:
-        """A chunk before the last stage: its output activations (input from ``set_input_tensor``)."""
+        """The chunk's raw output for this rank's share: activations before the last stage (input from
+        ``set_input_tensor``), logits or values on it (packed path; the padded one post-processes them)."""
         if self.use_remove_padding:
             return model(
                 input_ids=mb.split.batch.input_ids[None],
@@ -519,12 +518,7 @@ class RLEngine:
             hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
             if self.use_remove_padding:
-                raw = model(
-                    input_ids=local.input_ids[None],
-                    position_ids=None,
-                    attention_mask=None,
-                    packed_seq_params=mb.packed_seq_params,
-                )[0]
+                raw = self._stage_forward(model, mb, packed=packed)[0]
                 labels = local.labels
             else:
                 raw, labels = self._padded_forward(model, mb, packed=packed)
