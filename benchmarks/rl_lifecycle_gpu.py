@@ -3,17 +3,18 @@
     python3 benchmarks/rl_lifecycle_gpu.py --out benchmarks/results/rl_lifecycle_h100.json
 
 A random Qwen2.5-0.5B-shaped model (``--layers`` decoder layers) loaded through ``model.path``; the actor
-engine on the megatron backend, once with DDP + megatron's mixed-precision optimizer and once with the
-distributed optimizer. Per backend:
+engine on the megatron backend: DDP + megatron's mixed-precision optimizer, the distributed optimizer, and
+LoRA (rank 16, DDP over the adapters only). Per variant:
 
 * offload: one PPO step (gradients and Adam state exist), then ``offload()`` of parameters, gradients and
   optimizer state; GPU memory allocated before / after (must be <= 5% left) and the copy rate against a
   pinned host<->device copy of the same size measured in the same run (must be >= 80%); ``onload()`` and a
   bitwise comparison of every parameter, main gradient and optimizer-state tensor;
-* weights for rollout: ``export_weight_buckets(bucket_bytes)``; peak GPU memory above the model during the
-  export vs the bound (one bucket + the largest tensor);
-* checkpoint (DDP + mixed-precision optimizer): save after step 1, step 2; load, step 2 again: the same
-  loss and parameters, bitwise. The distributed optimizer's checkpoint is refused with its message.
+* weights for rollout: ``export_weight_buckets(bucket_bytes)`` (LoRA: adapter-only and merged); peak GPU
+  memory above the model during the export vs the bound (one bucket + the largest tensor);
+* checkpoint: save after step 1, step 2; load, step 2 again: optimizer state, fp32 master copies and
+  parameters restored bitwise, the same loss; the parameters after the step bitwise too when the GPU step
+  itself is deterministic (measured by running the restored step twice).
 
 Writes JSON (device, versions, config, numbers) to ``--out``; exits non-zero when a bound fails.
 """
@@ -92,7 +93,16 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     records = {}
     ok = True
-    for dist_opt in (False, True):
+    variants = {
+        "ddp_mixed_precision": ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false"],
+        "dist_opt": ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
+        "lora": [
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+            "actor_rollout_ref.model.lora.rank=16",
+            "actor_rollout_ref.model.lora.alpha=32",
+        ],
+    }
+    for variant, extra in variants.items():
         overrides = [
             "model_engine=megatron",
             f"actor_rollout_ref.model.path={model_dir}",
@@ -105,7 +115,7 @@ def main() -> None:
             "critic.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.actor.optim.total_training_steps=10",
             "critic.optim.total_training_steps=10",
-            f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={str(dist_opt).lower()}",
+            *extra,
         ]
         cfg = load_config(overrides=overrides)
         torch.cuda.synchronize()
@@ -157,79 +167,79 @@ def main() -> None:
         )
 
         bucket = args.bucket_mib << 20
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        largest = 0
-        sizes = []
-        for b in engine.export_weight_buckets(bucket_bytes=bucket):
-            nbytes = [t.numel() * t.element_size() for _, t in b]
-            largest = max(largest, *nbytes)
-            sizes.append(sum(nbytes))
-            del b
-        peak_extra = torch.cuda.max_memory_allocated() - base
-        rec["export"] = {
-            "bucket_bytes": bucket,
-            "buckets": len(sizes),
-            "largest_bucket_bytes": max(sizes),
-            "largest_tensor_bytes": largest,
-            "peak_extra_bytes": peak_extra,
-            "bound_bytes": bucket + largest,
-            "within_bound": peak_extra <= bucket + largest,
-        }
-        ok &= rec["export"]["within_bound"]
-
-        root = work / f"ckpt_{dist_opt}"
-        try:
-            engine.save_checkpoint(str(root), global_step=1)
-            at_save = snapshot(engine)
-            masters_at_save = [m.detach().cpu().clone() for m in master_params(engine.optimizer)]
-            with engine.train_mode():
-                second = engine.train_batch(batch, loss)
-            params_2 = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
-            engine.load_checkpoint(str(root))
-            at_load = snapshot(engine)
-            not_restored = [
-                k for k in at_save if not k.startswith("grad/") and not torch.equal(at_save[k], at_load[k])
-            ]
-            masters_equal = all(
-                torch.equal(a.cpu(), b)
-                for a, b in zip(master_params(engine.optimizer), masters_at_save, strict=True)
-            )
-            with engine.train_mode():
-                again = engine.train_batch(batch, loss)
-            params_again = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
-            # the same step once more from the same restored state: is the GPU step itself deterministic?
-            # (atomics in the embedding / attention backward may not be)
-            engine.load_checkpoint(str(root))
-            with engine.train_mode():
-                engine.train_batch(batch, loss)
-            params_third = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
-            deterministic = all(torch.equal(params_again[k], params_third[k]) for k in params_2)
-            bitwise = all(torch.equal(params_2[k], params_again[k]) for k in params_2)
-            restored = not not_restored and masters_equal
-            same = restored and second["loss"] == again["loss"] and (bitwise or not deterministic)
-
-            def max_diff(a: dict, b: dict) -> float:
-                return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-            rec["checkpoint"] = {
-                "resumed_loss": again["loss"],
-                "uninterrupted_loss": second["loss"],
-                "state_restored_bitwise": restored,
-                "masters_equal": masters_equal,
-                "state_not_restored": not_restored[:20],
-                "params_after_step_bitwise": bitwise,
-                "gpu_step_deterministic": deterministic,
-                "max_abs_diff_resumed_vs_uninterrupted": max_diff(params_again, params_2),
-                "max_abs_diff_same_step_twice": max_diff(params_again, params_third),
-                "ok": same,
+        rec["export"] = {}
+        for mode in ("adapter", "merged") if variant == "lora" else (None,):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            largest = 0
+            sizes = []
+            for b in engine.export_weight_buckets(bucket_bytes=bucket, lora_mode=mode):
+                nbytes = [t.numel() * t.element_size() for _, t in b]
+                largest = max(largest, *nbytes)
+                sizes.append(sum(nbytes))
+                del b
+            peak_extra = torch.cuda.max_memory_allocated() - base
+            rec["export"][mode or "full"] = {
+                "bucket_bytes": bucket,
+                "buckets": len(sizes),
+                "total_bytes": sum(sizes),
+                "largest_bucket_bytes": max(sizes),
+                "largest_tensor_bytes": largest,
+                "peak_extra_bytes": peak_extra,
+                "bound_bytes": bucket + largest,
+                "within_bound": peak_extra <= bucket + largest,
             }
-            ok &= same
-        except NotImplementedError as err:
-            rec["checkpoint"] = {"refused": str(err)}
-            ok &= dist_opt  # only the distributed optimizer may be refused
-        records["dist_opt" if dist_opt else "ddp_mixed_precision"] = rec
+            ok &= rec["export"][mode or "full"]["within_bound"]
+
+        root = work / f"ckpt_{variant}"
+        engine.save_checkpoint(str(root), global_step=1)
+        at_save = snapshot(engine)
+        masters_at_save = [m.detach().cpu().clone() for m in master_params(engine.optimizer)]
+        with engine.train_mode():
+            second = engine.train_batch(batch, loss)
+        params_2 = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
+        engine.load_checkpoint(str(root))
+        at_load = snapshot(engine)
+        not_restored = [
+            k for k in at_save if not k.startswith("grad/") and not torch.equal(at_save[k], at_load[k])
+        ]
+        masters_equal = all(
+            torch.equal(a.cpu(), b)
+            for a, b in zip(master_params(engine.optimizer), masters_at_save, strict=True)
+        )
+        with engine.train_mode():
+            again = engine.train_batch(batch, loss)
+        params_again = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
+        # the same step once more from the same restored state: is the GPU step itself deterministic?
+        # (atomics in the embedding / attention backward may not be)
+        engine.load_checkpoint(str(root))
+        with engine.train_mode():
+            engine.train_batch(batch, loss)
+        params_third = {k: v for k, v in snapshot(engine).items() if k.startswith("param/")}
+        deterministic = all(torch.equal(params_again[k], params_third[k]) for k in params_2)
+        bitwise = all(torch.equal(params_2[k], params_again[k]) for k in params_2)
+        restored = not not_restored and masters_equal
+        same = restored and second["loss"] == again["loss"] and (bitwise or not deterministic)
+
+        def max_diff(a: dict, b: dict) -> float:
+            return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+        rec["checkpoint"] = {
+            "resumed_loss": again["loss"],
+            "uninterrupted_loss": second["loss"],
+            "state_restored_bitwise": restored,
+            "masters_equal": masters_equal,
+            "state_not_restored": not_restored[:20],
+            "params_after_step_bitwise": bitwise,
+            "gpu_step_deterministic": deterministic,
+            "max_abs_diff_resumed_vs_uninterrupted": max_diff(params_again, params_2),
+            "max_abs_diff_same_step_twice": max_diff(params_again, params_third),
+            "ok": same,
+        }
+        ok &= same
+        rec["checkpoint"]["bytes_on_disk"] = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        records[variant] = rec
         engine = None
         torch.cuda.empty_cache()
         parallel_state.destroy_model_parallel()

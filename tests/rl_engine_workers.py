@@ -509,3 +509,70 @@ def offload_round_trip(
         "loss_after": result["loss"],
         "params_after": {k: v for k, v in snapshot().items() if k.startswith("param/")},
     }
+
+
+def transformers_log_probs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Per-token log-probs of ``batch`` (verl padded layout) from a transformers causal LM, one sequence at a
+    time over its valid tokens (the reference the engine is compared with)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    dtype = next(model.parameters()).dtype
+    out = torch.zeros(ids.shape, dtype=dtype)
+    model.eval()
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            cols = torch.nonzero(mask[i]).flatten()
+            seq = ids[i, cols]
+            logp = torch.log_softmax(model(seq[None]).logits[0], dim=-1)
+            out[i, cols[:-1]] = logp[:-1].gather(1, seq[1:, None]).squeeze(1)
+    return out
+
+
+def lora_surface(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    overrides: list[str],
+    batch: dict[str, Any],
+    out_dir: str,
+    bucket_bytes: int,
+) -> dict[str, Any]:
+    """The reference engine's log-probs (base model); then the LoRA actor after one PPO step: its log-probs,
+    with ``disable_adapter``, the merged and the adapter-only weight buckets (+ PEFT config), and ``save_hf``
+    as an adapter directory and as a merged model."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    ref, _ = _engine(overrides, "ref", model_dir, "cpu")
+    with ref.eval_mode():
+        ref_lp = ref.infer_batch(batch)["model_output"]["log_probs"].float()
+    engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+    trainable = sorted(n for n, p in engine.model.named_parameters() if p.requires_grad)
+    with engine.train_mode():
+        engine.train_batch(batch, partial(ppo_loss, config=cfg.actor_rollout_ref.actor))
+    with engine.eval_mode():
+        lp = engine.infer_batch(batch)["model_output"]["log_probs"].float()
+        with engine.disable_adapter():
+            off = engine.infer_batch(batch)["model_output"]["log_probs"].float()
+        again = engine.infer_batch(batch)["model_output"]["log_probs"].float()
+    still_trainable = sorted(n for n, p in engine.model.named_parameters() if p.requires_grad)
+    merged = [
+        [(n, t.clone()) for n, t in b]
+        for b in engine.export_weight_buckets(bucket_bytes=bucket_bytes, lora_mode="merged")
+    ]
+    pairs, peft_config = engine.get_per_tensor_param(bucket_bytes=bucket_bytes, lora_mode="adapter")
+    adapter = {n: t.clone() for n, t in pairs}
+    engine.save_hf(f"{out_dir}/adapter")
+    engine.save_hf(f"{out_dir}/merged", merged=True)
+    keep = rank == 0
+    return {
+        "ref": ref_lp,
+        "lora": lp,
+        "off": off,
+        "again": again,
+        "trainable": trainable,
+        "still_trainable": still_trainable,
+        "merged": merged if keep else None,
+        "adapter": adapter if keep else None,
+        "peft_config": peft_config,
+    }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rl_engine_workers import export_layouts, verl_batch
+from rl_engine_workers import export_layouts, transformers_log_probs, verl_batch
 
 from verl_mcore_utils.testing import run_distributed
 
@@ -42,16 +42,7 @@ def _transformers_log_probs(model_dir: str, weights: dict[str, torch.Tensor], ba
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64)
     model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=True)
-    model.eval()
-    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
-    out = torch.zeros(ids.shape, dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(ids.shape[0]):
-            cols = torch.nonzero(mask[i]).flatten()
-            seq = ids[i, cols]
-            logp = torch.log_softmax(model(seq[None]).logits[0], dim=-1)
-            out[i, cols[:-1]] = logp[:-1].gather(1, seq[1:, None]).squeeze(1)
-    return out
+    return transformers_log_probs(model, batch)
 
 
 def _check(model_dir: str, got: dict, batch: dict, what: str) -> None:

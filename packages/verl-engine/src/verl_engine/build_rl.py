@@ -66,6 +66,7 @@ def build_rl_engine(
     override_model_config: Mapping[str, Any] | None = None,
     total_training_steps: int | None = None,
     mtp: Any | None = None,
+    lora: Any | None = None,
 ) -> RLEngine:
     """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
 
@@ -73,7 +74,10 @@ def build_rl_engine(
     reading ``model_path``'s config (presets / tests); weights are loaded from ``model_path`` when given.
     megatron-core's parallel state is initialised here if it is not yet (``context_parallel_size=1``:
     CP runs in verl-dyncp's groups over the DP x CP pool). ``mtp`` is verl-config's ``MtpConfig``
-    (``actor_rollout_ref.model.mtp``) or None.
+    (``actor_rollout_ref.model.mtp``) or None. ``lora`` is verl-config's ``LoraConfig`` (the model section's
+    ``lora`` block): with ``rank > 0`` peft LoRA adapters are inserted before DDP (verl-mcore-utils'
+    pre-wrap hook), only they (and a critic's value head) train, and the base weights come from
+    ``model_path``; ``lora.adapter_path`` loads a PEFT adapter directory.
     """
     from megatron.core import parallel_state
 
@@ -88,6 +92,13 @@ def build_rl_engine(
         hf_config = load_hf_config(model_path)
     hf = {**dict(hf_config), **dict(override_model_config or {})}
     mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
+    lora = lora if lora is not None and lora.enabled else None
+    if lora is not None and mtp_layers and mtp.enable_train:
+        raise NotImplementedError(
+            "actor_rollout_ref.model.mtp.enable_train=true with LoRA (model.lora.rank > 0): the adapters cover"
+            " the decoder only, so the MTP layers would stay frozen and their loss would train nothing; set"
+            " mtp.enable_train=false or lora.rank=0"
+        )
     debug = device.type == "cpu"
     pp, vpp = engine.pipeline_model_parallel_size, engine.virtual_pipeline_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
@@ -153,11 +164,20 @@ def build_rl_engine(
     wrap = WrapConfig(
         **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": trains and not debug}
     )
-    chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config)
+    hooks = []
+    if lora is not None:
+        from verl_mcore_utils.lora import peft_pre_wrap_hook
+
+        # adapters seeded by engine.seed and the module name: the same adapter at every TP / PP layout
+        hooks.append(peft_pre_wrap_hook(lora, hf_config=hf, seed=engine.seed, verbose=False))
+    chunks = make_megatron_module(
+        provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config, pre_wrap_hooks=hooks
+    )
     if model_path:  # a critic's value head keeps its initialisation (load_hf_weights skips it)
         from verl_mcore_utils.weights import load_hf_weights
 
-        load_hf_weights(chunks, model_path, hf_config=hf)
+        with _base_model(chunks, lora=lora):
+            load_hf_weights(chunks, model_path, hf_config=hf)
     if mtp_layers and pp > 1:  # the last stage's copy of the word embedding starts as the first stage's
         from verl_mcore_utils.mtp import sync_mtp_embedding
 
@@ -213,7 +233,19 @@ def build_rl_engine(
         )
         if trains and mtp_layers and mtp.enable_train
         else None,
+        lora=lora,
     )
+
+
+def _base_model(chunks: list[torch.nn.Module], *, lora: Any | None) -> Any:
+    """The model with its LoRA layers swapped for their base linears (HF names fit), or the model itself."""
+    import contextlib
+
+    if lora is None:
+        return contextlib.nullcontext()
+    from verl_mcore_utils.lora import without_adapters
+
+    return without_adapters(chunks)
 
 
 def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | None, value_model: bool) -> int:
@@ -270,6 +302,8 @@ def rl_engine_from_config(
         hf_config=hf_config,
         override_model_config=dict(model.override_config.get("model_config", {}) or {}),
         total_training_steps=steps,
+        # the reference policy is the base model (verl's LoRA ref = the actor with its adapter disabled)
+        lora=None if role == "ref" else model.lora,
     )
 
 

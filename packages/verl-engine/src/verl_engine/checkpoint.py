@@ -6,6 +6,7 @@ Layout under a checkpoint root (verl's names)::
     root/global_step_<N>/meta.json              layout, step, data position, LR schedule, file sizes + sha256
     root/global_step_<N>/rank_<r>.safetensors   rank r's parameters, optimizer state and RNG states
     root/global_step_<N>/hf/                    the whole model in Hugging Face format (layout-free)
+    root/global_step_<N>/lora_adapter/          with LoRA instead of hf/: the adapter in PEFT format
 
 Why this format:
 
@@ -15,6 +16,11 @@ Why this format:
 * Another layout (TP / PP change; CP and DP are not part of the model's layout here): the model is read from
   ``hf/`` with verl-mcore-utils' loader, which shards it for the new layout. Optimizer state is per rank and
   cannot follow; asking for it at another layout is an error that says so.
+* LoRA: adapter-only. The rank files hold the trainable parameters (adapters, a critic's value head) and
+  their optimizer state; the frozen base is the model the engine was built from (``model.path``), so a
+  checkpoint is the size of the adapter. ``lora_adapter/`` is a PEFT directory (``PeftModel.from_pretrained``
+  loads it) and what another layout loads. Loading a LoRA checkpoint into an engine without LoRA (or with
+  another rank / alpha), or the reverse, is an error.
 * Safety: tensors are read with safetensors and everything else with ``json``; nothing is unpickled, so a
   checkpoint from elsewhere cannot run code. Sizes and SHA-256 of every file are in ``meta.json``; a truncated,
   modified or missing file is named in the error, never half loaded.
@@ -89,6 +95,10 @@ def _layout(engine: Any) -> dict[str, Any]:
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
         "backend": type(engine.backend).__name__,
+        # the distributed optimizer shards its state over DP: its rank files exist for one DP size only
+        "distributed_optimizer_dp": ps.get_data_parallel_world_size()
+        if _is_distributed_optimizer(engine.optimizer)
+        else None,
     }
 
 
@@ -103,7 +113,19 @@ def _model_layout(layout: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def _params(engine: Any) -> dict[str, torch.nn.Parameter]:
-    return {f"{i}.{n}": p for i, chunk in enumerate(engine.chunks) for n, p in chunk.named_parameters()}
+    """What a rank file stores: every parameter, or with LoRA the trainable ones (the base is frozen)."""
+    lora = getattr(engine, "lora", None) is not None
+    return {
+        f"{i}.{n}": p
+        for i, chunk in enumerate(engine.chunks)
+        for n, p in chunk.named_parameters()
+        if not lora or p.requires_grad
+    }
+
+
+def _lora_meta(engine: Any) -> dict[str, Any] | None:
+    lora = getattr(engine, "lora", None)
+    return None if lora is None else {"rank": int(lora.rank), "alpha": float(lora.alpha)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -127,18 +149,79 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_cuda"])
 
 
+def _is_distributed_optimizer(optimizer: Any) -> bool:
+    from verl_mcore_utils.offload import leaf_optimizers
+
+    return optimizer is not None and any(
+        type(leaf).__name__ == "DistributedOptimizer" for leaf in leaf_optimizers(optimizer)
+    )
+
+
 def _optimizer_state(engine: Any) -> Any:
+    """This rank's optimizer state, as torch state dicts only.
+
+    A torch optimizer (debug backend): its state dict. A megatron-core optimizer (plain, mixed precision or
+    distributed, chained or not): per leaf, the state dict of the torch optimizer it wraps -- over this rank's
+    fp32 master copies, i.e. this DP rank's shard with the distributed optimizer -- and its grad scaler's.
+    megatron's own ``state_dict`` / ``sharded_state_dict`` are not used: their content and the way the
+    distributed optimizer's shards are gathered differ between releases, while the torch state of the
+    leaves is what the next step reads, so saving it is exact at the same layout on every release.
+    """
     optimizer = engine.optimizer
     if optimizer is None:
         return None
-    if type(optimizer).__name__ == "DistributedOptimizer" or any(
-        type(o).__name__ == "DistributedOptimizer" for o in getattr(optimizer, "chained_optimizers", [])
-    ):
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer.state_dict()
+    return [
+        {
+            "inner": _inner(leaf).state_dict(),
+            "grad_scaler": None
+            if getattr(leaf, "grad_scaler", None) is None
+            else leaf.grad_scaler.state_dict(),
+        }
+        for leaf in _leaves(optimizer)
+    ]
+
+
+def _leaves(optimizer: Any) -> list[Any]:
+    from verl_mcore_utils.offload import leaf_optimizers
+
+    return leaf_optimizers(optimizer)
+
+
+def _inner(leaf: Any) -> torch.optim.Optimizer:
+    inner = getattr(leaf, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
         raise NotImplementedError(
-            "checkpoints of megatron-core's distributed optimizer are not written by verl-engine yet (its state is"
-            " sharded over DP); set megatron.use_distributed_optimizer=false to checkpoint this engine"
+            f"{type(leaf).__name__} wraps a {type(inner).__name__}, not a torch optimizer; verl-engine checkpoints"
+            " the torch optimizer inside megatron-core's (optimizer_cpu_offload's hybrid optimizer is not supported)"
         )
-    return optimizer.state_dict()
+    return inner
+
+
+def _load_optimizer_state(engine: Any, state: Any, *, file: Path) -> None:
+    optimizer = engine.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state)
+        return
+    leaves = _leaves(optimizer)
+    if not isinstance(state, list) or len(state) != len(leaves):
+        raise CheckpointError(
+            f"{file} holds optimizer state for {len(state) if isinstance(state, list) else 'a torch'} optimizer(s);"
+            f" this engine's megatron optimizer has {len(leaves)} leaf optimizer(s)"
+        )
+    for leaf, saved in zip(leaves, state, strict=True):
+        inner = _inner(leaf)
+        if [len(g["params"]) for g in saved["inner"]["param_groups"]] != [
+            len(g["params"]) for g in inner.param_groups
+        ]:
+            raise CheckpointError(
+                f"{file}: the saved optimizer's parameter groups do not match this engine's (another model, or"
+                " another distributed-optimizer sharding)"
+            )
+        inner.load_state_dict(saved["inner"])
+        if saved["grad_scaler"] is not None:
+            leaf.grad_scaler.load_state_dict(saved["grad_scaler"])
 
 
 def _masters(engine: Any) -> list[torch.Tensor]:
@@ -261,14 +344,19 @@ def save_checkpoint(
     file = tmp / f"rank_{rank:05d}.safetensors"
     save_file(tensors, str(file), metadata={"skeleton": json.dumps(skeleton)})
     digests = _gather({"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file)})
-    # the whole model in Hugging Face format, gathered over TP and PP (a collective; rank 0 writes)
+    # the model (or its LoRA adapter) in Hugging Face format, gathered over TP and PP (a collective; rank 0
+    # writes): what another layout loads
     if not engine.value_model and engine.hf_config is not None:
-        save_hf_weights(engine.chunks, tmp / "hf", hf_config=engine.hf_config)
+        if _lora_meta(engine) is None:
+            save_hf_weights(engine.chunks, tmp / "hf", hf_config=engine.hf_config)
+        else:
+            engine.save_hf(str(tmp / "lora_adapter"))
     _barrier()
     if rank == 0:
         files = {d["file"]: {"bytes": d["bytes"], "sha256": d["sha256"]} for d in digests}
-        for f in sorted((tmp / "hf").glob("*")) if (tmp / "hf").is_dir() else []:
-            files[f"hf/{f.name}"] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for sub in ("hf", "lora_adapter"):
+            for f in sorted((tmp / sub).glob("*")) if (tmp / sub).is_dir() else []:
+                files[f"{sub}/{f.name}"] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         meta = {
             "format": FORMAT,
             "global_step": global_step,
@@ -277,6 +365,8 @@ def save_checkpoint(
             "lr_schedule": None if engine.lr_schedule is None else engine.lr_schedule.state_dict(),
             "files": files,
             "has_hf": (tmp / "hf").is_dir(),
+            "has_adapter": (tmp / "lora_adapter").is_dir(),
+            "lora": _lora_meta(engine),
         }
         _write_json(tmp / "meta.json", meta)  # last: a step directory without it is incomplete
         _fsync_dir(tmp)
@@ -383,6 +473,11 @@ def load_checkpoint(
 
     directory = _resolve(Path(path))
     meta = _read_meta(directory)
+    if meta.get("lora") != _lora_meta(engine):
+        raise CheckpointError(
+            f"{directory} was saved with LoRA {meta.get('lora') or 'off'}; this engine has LoRA"
+            f" {_lora_meta(engine) or 'off'}: build the engine with the checkpoint's model.lora settings"
+        )
     saved, current = meta["layout"], _layout(engine)
     same = _model_layout(saved) == _model_layout(current)
     if not same:
@@ -395,20 +490,34 @@ def load_checkpoint(
                 f" ({current['backend']}). Optimizer and RNG states are per rank and cannot change layout: load with"
                 " load_optimizer=False to restore the model only (from its Hugging Face copy)"
             )
-        if not meta.get("has_hf"):
+        sub = "lora_adapter" if meta.get("lora") else "hf"
+        if not meta.get("has_adapter" if meta.get("lora") else "has_hf"):
             raise CheckpointError(
-                f"{directory} has no Hugging Face copy of the model, so it loads only at its layout"
+                f"{directory} has no Hugging Face copy of the model ({sub}/; a critic's value head has none), so"
+                " it loads only at its layout"
             )
         if engine.mtp is not None or engine.mtp_embedding_copy:
             raise CheckpointError(
                 "MTP layers have no Hugging Face names: load this checkpoint at its saved layout"
             )
         for name in meta["files"]:
-            if name.startswith("hf/"):
+            if name.startswith(f"{sub}/"):
                 _verified(directory, meta, name)
-        load_hf_weights(engine.chunks, directory / "hf", hf_config=engine.hf_config)
+        if meta.get("lora"):
+            from verl_mcore_utils.lora import load_hf_adapter
+
+            load_hf_adapter(engine.chunks, directory / sub, hf_config=engine.hf_config)
+        else:
+            load_hf_weights(engine.chunks, directory / sub, hf_config=engine.hf_config)
         return {"global_step": meta["global_step"], "data_position": meta["data_position"]}
 
+    sharded = saved.get("distributed_optimizer_dp"), current["distributed_optimizer_dp"]
+    if load_optimizer and sharded[0] != sharded[1]:
+        raise CheckpointError(
+            f"{directory} holds optimizer state {_sharding(sharded[0])}; this engine's is {_sharding(sharded[1])}."
+            " The distributed optimizer's shards follow the DP size: resume at the saved DP size and"
+            " megatron.use_distributed_optimizer setting, or load with load_optimizer=False (model only)"
+        )
     # the rank that held this rank's model shard: same model-parallel position; the pool replicates it
     rank = _rank()
     name = f"rank_{rank:05d}.safetensors"
@@ -439,12 +548,16 @@ def load_checkpoint(
                 f" has {'an' if engine.optimizer is not None else 'no'} optimizer"
             )
         if state is not None:
-            engine.optimizer.load_state_dict(state)
+            _load_optimizer_state(engine, state, file=directory / name)
             _restore_masters(engine, tensors, file=directory / name)
         if engine.lr_schedule is not None and meta["lr_schedule"] is not None:
             engine.lr_schedule.load_state_dict(meta["lr_schedule"])
         _set_rng_state(_unflatten(skeleton["rng"], tensors))
     return {"global_step": meta["global_step"], "data_position": meta["data_position"]}
+
+
+def _sharding(dp: int | None) -> str:
+    return "not sharded" if dp is None else f"sharded over DP={dp} (distributed optimizer)"
 
 
 def _replica_rank(saved: Mapping[str, Any], current: Mapping[str, Any], rank: int) -> int:

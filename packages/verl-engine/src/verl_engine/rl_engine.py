@@ -141,6 +141,7 @@ class RLEngine:
         mtp: MtpSettings | None = None,
         mtp_embedding_copy: bool = False,
         hf_config: Mapping[str, Any] | None = None,
+        lora: Any = None,
     ) -> None:
         # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
@@ -156,6 +157,8 @@ class RLEngine:
         # gradient of both copies (verl_mcore_utils.mtp.sync_mtp_embedding) so they stay equal
         self.mtp_embedding_copy = mtp_embedding_copy
         self.hf_config = hf_config
+        # verl-config's LoraConfig when the model carries LoRA adapters (rank > 0), else None
+        self.lora = lora
         self.optimizer = optimizer
         self.backend = backend
         self.tp_group = tp_group
@@ -199,12 +202,18 @@ class RLEngine:
 
     @contextlib.contextmanager
     def disable_adapter(self) -> Iterator[None]:
-        """The model without LoRA adapters (reference policy = actor without its adapter).
+        """The model without its LoRA adapters (verl's reference policy = the actor without its adapter).
 
-        This engine builds no adapters yet, so the model is already the base model; the context is a no-op
-        kept for verl's call shape.
+        Inside, forwards run the frozen base model (peft's adapter switch); without LoRA the model already is
+        the base model and this does nothing.
         """
-        yield
+        if self.lora is None:
+            yield
+            return
+        from verl_mcore_utils.lora import adapters_disabled
+
+        with adapters_disabled(self.chunks):
+            yield
 
     # ------------------------------------------------------------------------------ ranks
     def get_data_parallel_size(self) -> int:
@@ -315,31 +324,117 @@ class RLEngine:
 
     # ------------------------------------------------------------------------------ weights for rollout
     def export_weight_buckets(
-        self, *, bucket_bytes: int = 1 << 29
+        self, *, bucket_bytes: int = 1 << 29, lora_mode: str | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The model's weights under Hugging Face names, gathered over TP and PP, in buckets of at most
         ``bucket_bytes`` (a bigger tensor alone): what a rollout engine (vLLM / SGLang) loads.
+
+        With LoRA, ``lora_mode`` (default from ``lora.merge``): ``"merged"`` = the full weights with
+        ``W + alpha / r * B @ A`` for the adapted projections (computed on the exported copies: the model is
+        not changed), ``"adapter"`` = only the adapter tensors, under PEFT's names
+        (``base_model.model.model.layers.<i>...lora_A.weight``), for a rollout engine that serves the base
+        model plus a LoRA adapter (see :meth:`peft_config`).
 
         Tensors are copies owned by each bucket; the extra memory is one bucket plus the tensor being
         gathered. A collective: every rank iterates to the end, in step (each gets every bucket). MTP layers
         are not included (the supported architectures have no Hugging Face names for them).
         """
-        from verl_mcore_utils.weights import export_hf_weight_buckets
+        from verl_mcore_utils.weights import bucket_tensors, export_hf_weights
 
+        self._check_exportable()
+        mode = self._lora_mode(lora_mode)
+        if mode == "adapter":
+            from verl_mcore_utils.lora import export_hf_adapter
+
+            pairs: Any = export_hf_adapter(self.chunks, hf_config=self.hf_config).items()
+        elif mode == "merged":
+            from verl_mcore_utils.lora import export_merged_hf_weights
+
+            pairs = export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
+        else:
+            pairs = export_hf_weights(self.chunks, hf_config=self.hf_config)
+        yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes)
+
+    def get_per_tensor_param(
+        self, *, bucket_bytes: int = 1 << 29, lora_mode: str | None = None
+    ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]:
+        """verl's shape: ``((hf_name, tensor) generator, peft_config)``; the PEFT config (a dict) only when
+        the adapter alone is sent (``lora_mode="adapter"``, or ``lora.merge=false``), else None."""
+        mode = self._lora_mode(lora_mode)
+        config = self.peft_config() if mode == "adapter" else None
+
+        def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in self.export_weight_buckets(bucket_bytes=bucket_bytes, lora_mode=mode):
+                yield from bucket
+
+        return pairs(), config
+
+    def peft_config(self) -> dict[str, Any]:
+        """The adapter's PEFT ``adapter_config.json`` content (HF module names); a collective over TP and PP."""
+        from verl_mcore_utils.lora import export_hf_adapter_with_config
+
+        if self.lora is None:
+            raise ValueError("this engine has no LoRA adapters (model.lora.rank is 0)")
+        return export_hf_adapter_with_config(
+            self.chunks, hf_config=self.hf_config, base_model_name_or_path=self._tokenizer_path
+        )[1]
+
+    def save_hf(self, path: str, *, merged: bool = False) -> Any:
+        """A Hugging Face directory of the model (every rank calls; global rank 0 writes).
+
+        Without LoRA: ``config.json`` + safetensors that ``transformers`` loads. With LoRA: a PEFT adapter
+        directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
+        ``peft.PeftModel.from_pretrained(base, path)`` loads, or, with ``merged=True``, the full model with the
+        adapter merged in.
+        """
+        from verl_mcore_utils.weights import save_hf_weights
+
+        self._check_exportable()
+        if self.lora is not None and not merged:
+            from verl_mcore_utils.lora import save_hf_adapter
+
+            return save_hf_adapter(
+                self.chunks,
+                path,
+                hf_config=self.hf_config,
+                lora=self.lora,
+                base_model_name_or_path=self._tokenizer_path,
+            )
+        if self.lora is not None:
+            from verl_mcore_utils.lora import export_merged_hf_weights
+
+            return save_hf_weights(
+                self.chunks,
+                path,
+                hf_config=self.hf_config,
+                weights=export_merged_hf_weights(self.chunks, hf_config=self.hf_config),
+            )
+        return save_hf_weights(self.chunks, path, hf_config=self.hf_config)
+
+    def _check_exportable(self) -> None:
         if self.value_model:
             raise ValueError(
-                "a value model (critic) has no language-model weights to send to a rollout engine"
+                "a value model (critic) has no language-model weights to send to a rollout engine or save as one"
             )
         if self.hf_config is None:
             raise ValueError(
                 "this engine was built without a Hugging Face config; it cannot name its weights"
             )
-        yield from export_hf_weight_buckets(self.chunks, hf_config=self.hf_config, bucket_bytes=bucket_bytes)
 
-    def get_per_tensor_param(self, *, bucket_bytes: int = 1 << 29) -> Iterator[tuple[str, torch.Tensor]]:
-        """verl's name: ``(hf_name, tensor)`` pairs, one at a time, read bucket by bucket."""
-        for bucket in self.export_weight_buckets(bucket_bytes=bucket_bytes):
-            yield from bucket
+    def _lora_mode(self, lora_mode: str | None) -> str | None:
+        if self.lora is None:
+            if lora_mode is not None:
+                raise ValueError(
+                    f"lora_mode={lora_mode!r} but this engine has no LoRA adapters (model.lora.rank is 0)"
+                )
+            return None
+        if lora_mode is None:
+            return "merged" if self.lora.merge else "adapter"
+        if lora_mode not in ("merged", "adapter"):
+            raise ValueError(
+                f"lora_mode must be 'merged' or 'adapter' (or None: from lora.merge); got {lora_mode!r}"
+            )
+        return lora_mode
 
     # ------------------------------------------------------------------------------ batches
     def train_batch(self, data: Mapping[str, Any], loss_function: LossFunction) -> dict[str, Any]:

@@ -112,8 +112,10 @@ __all__ = [
     "LoraPreWrapHook",
     "adapter_named_parameters",
     "adapter_stats",
+    "adapters_disabled",
     "apply_lora",
     "export_hf_adapter",
+    "export_hf_adapter_with_config",
     "export_merged_hf_weights",
     "is_lora_layer",
     "load_hf_adapter",
@@ -781,7 +783,6 @@ def save_hf_adapter(
     ``_name_or_path``. Returns ``path`` after a barrier. A critic's value head (trainable, see
     :func:`apply_lora`) is not part of the PEFT adapter and is not saved here.
     """
-    peft = _import_peft()
     tensors, meta = _export(model_chunks, hf_config, adapter_name)
     if lora is not None:
         lora = _as_lora_config(lora)
@@ -794,30 +795,85 @@ def save_hf_adapter(
     if _is_rank0():
         from safetensors.torch import save_file
 
-        chunks = unwrap_model_chunks(model_chunks)
-        num_layers = int(chunks[0].config.num_layers)
-        modules = {k.removeprefix(_HF_PREFIX).rsplit(".", 2)[0] for k in tensors}
-        if base_model_name_or_path is None and hf_config is not None:
-            name = getattr(hf_config, "_name_or_path", None)
-            if name is None and isinstance(hf_config, Mapping):
-                name = hf_config.get("_name_or_path")
-            base_model_name_or_path = name or None
-        alpha = meta["lora_alpha"]
-        config = peft.LoraConfig(
-            task_type="CAUSAL_LM",
-            r=meta["r"],
-            lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
-            lora_dropout=meta["lora_dropout"],
-            target_modules=_target_modules(modules, num_layers),
-            bias="none",
-            base_model_name_or_path=base_model_name_or_path,
-        )
+        config = _peft_config(model_chunks, tensors, meta, hf_config, base_model_name_or_path)
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         config.save_pretrained(str(path))
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def _peft_config(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    hf_config: Mapping[str, Any] | Any,
+    base_model_name_or_path: str | None,
+) -> Any:
+    """peft's own ``LoraConfig`` for exported adapter tensors (HF module names, one rank / alpha)."""
+    peft = _import_peft()
+    chunks = unwrap_model_chunks(model_chunks)
+    num_layers = int(chunks[0].config.num_layers)
+    modules = {k.removeprefix(_HF_PREFIX).rsplit(".", 2)[0] for k in tensors}
+    if base_model_name_or_path is None and hf_config is not None:
+        name = getattr(hf_config, "_name_or_path", None)
+        if name is None and isinstance(hf_config, Mapping):
+            name = hf_config.get("_name_or_path")
+        base_model_name_or_path = name or None
+    alpha = meta["lora_alpha"]
+    return peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=meta["r"],
+        lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
+        lora_dropout=meta["lora_dropout"],
+        target_modules=_target_modules(modules, num_layers),
+        bias="none",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+def export_hf_adapter_with_config(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    hf_config: Mapping[str, Any] | Any = None,
+    base_model_name_or_path: str | None = None,
+    adapter_name: str = DEFAULT_ADAPTER_NAME,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`export_hf_adapter` plus the adapter's PEFT config as a JSON-able dict (what
+    ``adapter_config.json`` holds): what a rollout engine that serves LoRA (vLLM) needs to load the adapter
+    without a file. A collective over TP and PP like :func:`export_hf_adapter`.
+    """
+    tensors, meta = _export(model_chunks, hf_config, adapter_name)
+    config = _peft_config(model_chunks, tensors, meta, hf_config, base_model_name_or_path)
+    as_dict = {
+        k: sorted(v) if isinstance(v, (set, frozenset)) else v
+        for k, v in config.to_dict().items()
+        if not callable(v)
+    }
+    return tensors, json.loads(json.dumps(as_dict, default=str))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run the model without its LoRA adapters (peft's adapter switch), e.g. a reference policy that is
+    the actor's base model. Unlike :func:`without_adapters` the parameter names stay those of the LoRA
+    model. ``requires_grad`` of every parameter is what it was before, also on error (peft's switch
+    changes it).
+    """
+    chunks = unwrap_model_chunks(model_chunks)
+    sites = _lora_sites(chunks)
+    trainable = {id(p): p.requires_grad for c in chunks for p in c.parameters()}
+    for site in sites:
+        site.module.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for site in sites:
+            site.module.enable_adapters(True)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.requires_grad_(trainable[id(p)])
 
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")

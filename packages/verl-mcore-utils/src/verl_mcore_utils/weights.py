@@ -51,6 +51,7 @@ __all__ = [
     "Fusion",
     "HFDims",
     "ParamMapping",
+    "bucket_tensors",
     "export_hf_weight_buckets",
     "export_hf_weights",
     "hf_tensor_shapes",
@@ -751,11 +752,19 @@ def export_hf_weight_buckets(
     the list), so the extra memory beyond the model is one bucket plus the one tensor being gathered. Same
     collective contract as :func:`export_hf_weights`: every rank iterates to the end, in step.
     """
+    yield from bucket_tensors(export_hf_weights(model_chunks, hf_config=hf_config), bucket_bytes=bucket_bytes)
+
+
+def bucket_tensors(
+    pairs: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a bigger tensor alone), each
+    tensor cloned so that the bucket owns it (the source may reuse or share memory)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int (bytes per bucket), got {bucket_bytes!r}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in export_hf_weights(model_chunks, hf_config=hf_config):
+    for name, tensor in pairs:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -782,6 +791,7 @@ def save_hf_weights(
     hf_config: Mapping[str, Any] | Any,
     save_config: bool = True,
     max_shard_bytes: int = 5 * 1024**3,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the model as a Hugging Face safetensors checkpoint (global rank 0 writes; every rank must call).
 
@@ -789,7 +799,9 @@ def save_hf_weights(
     shard in host memory; more than one shard gets HF's ``model-0000i-of-0000n.safetensors`` names and a
     ``model.safetensors.index.json``. Weight files of an earlier save in ``path`` are removed first so
     that loaders cannot mix two saves. ``config.json`` is written from ``hf_config`` unless
-    ``save_config=False``. Returns ``path`` after all ranks are done (a barrier).
+    ``save_config=False``. ``weights`` replaces :func:`export_hf_weights` as the source of ``(name, tensor)``
+    pairs (e.g. LoRA-merged weights; the same collective contract). Returns ``path`` after all ranks are done
+    (a barrier).
     """
     from safetensors.torch import save_file
 
@@ -813,7 +825,9 @@ def save_hf_weights(
         path.mkdir(parents=True, exist_ok=True)
         for old in _old_weight_files(path):
             old.unlink()
-    for name, tensor in export_hf_weights(model_chunks, hf_config=hf_config):
+    if weights is None:
+        weights = export_hf_weights(model_chunks, hf_config=hf_config)
+    for name, tensor in weights:
         if not writer:
             continue
         # An own contiguous CPU copy: safetensors refuses tensors that share memory (split q/k/v do).
