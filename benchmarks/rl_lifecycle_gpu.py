@@ -4,7 +4,7 @@
 
 A random Qwen2.5-0.5B-shaped model (``--layers`` decoder layers) loaded through ``model.path``; the actor
 engine on the megatron backend: DDP + megatron's mixed-precision optimizer, the distributed optimizer, and
-LoRA (rank 16, DDP over the adapters only). Per variant:
+LoRA (rank 16, DDP over the adapters only), and Megatron-FSDP (verl-mfsdp). Per variant:
 
 * offload: one PPO step (gradients and Adam state exist), then ``offload()`` of parameters, gradients and
   optimizer state; GPU memory allocated before / after (must be <= 5% left) and the copy rate against a
@@ -53,14 +53,22 @@ def pinned_copy_gb_per_s(nbytes: int) -> dict[str, float]:
     return rates
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (Megatron-FSDP), else the tensor."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
 def snapshot(engine) -> dict[str, torch.Tensor]:
     out = {}
     for i, chunk in enumerate(engine.chunks):
         for n, p in chunk.named_parameters():
-            out[f"param/{i}.{n}"] = p.detach().cpu().clone()
+            out[f"param/{i}.{n}"] = local(p.detach()).cpu().clone()
             grad = getattr(p, "main_grad", None)
             if grad is not None:
-                out[f"grad/{i}.{n}"] = grad.detach().cpu().clone()
+                out[f"grad/{i}.{n}"] = local(grad.detach()).cpu().clone()
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        for n, p in getattr(buffer, "optimizer_named_parameters", ()):  # Megatron-FSDP's fp32 main weights
+            out[f"param/main/{i}.{n}"] = local(p.detach()).cpu().clone()
     from verl_mcore_utils.offload import leaf_optimizers
 
     for j, leaf in enumerate(leaf_optimizers(engine.optimizer)):
@@ -68,8 +76,30 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
         for k, state in enumerate(inner.state.values()):
             for key, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    out[f"optim/{j}/{k}/{key}"] = v.detach().cpu().clone()
+                    out[f"optim/{j}/{k}/{key}"] = local(v.detach()).cpu().clone()
     return out
+
+
+def run_each(names: list[str], args: argparse.Namespace) -> None:
+    import subprocess
+    import sys
+
+    merged: dict = {}
+    for name in names:
+        out = args.out.with_name(f"{args.out.stem}.{name}.json")
+        command = [sys.executable, __file__, "--out", str(out), "--layers", str(args.layers)]
+        subprocess.run([*command, "--bucket-mib", str(args.bucket_mib), "--variants", name], check=False)
+        record = json.loads(out.read_text())
+        out.unlink()
+        if merged:
+            merged["results"].update(record["results"])
+            merged["all_bounds_met"] = merged["all_bounds_met"] and record["all_bounds_met"]
+        else:
+            merged = record
+    merged["config"]["process_per_variant"] = True
+    args.out.write_text(json.dumps(merged, indent=2, default=float) + "\n")
+    if not merged["all_bounds_met"]:
+        raise SystemExit("a lifecycle bound failed: see the record")
 
 
 def main() -> None:
@@ -77,7 +107,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--variants", default="ddp_mixed_precision,dist_opt,lora,megatron_fsdp")
     args = parser.parse_args()
+    names = args.variants.split(",")
+    if len(names) > 1:  # one process per variant: GPU memory numbers never see another variant's engine
+        run_each(names, args)
+        return
 
     from megatron.core import parallel_state
 
@@ -101,8 +136,13 @@ def main() -> None:
             "actor_rollout_ref.model.lora.rank=16",
             "actor_rollout_ref.model.lora.alpha=32",
         ],
+        "megatron_fsdp": [
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+            "actor_rollout_ref.actor.megatron.use_megatron_fsdp=true",
+        ],
     }
-    for variant, extra in variants.items():
+    for variant in args.variants.split(","):
+        extra = variants[variant]
         overrides = [
             "model_engine=megatron",
             f"actor_rollout_ref.model.path={model_dir}",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -164,20 +165,32 @@ def build_rl_engine(
     wrap = WrapConfig(
         **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": trains and not debug}
     )
-    hooks = []
+    fsdp = bool(engine.use_megatron_fsdp) and not debug
+    if fsdp and lora is not None:
+        raise NotImplementedError(
+            "LoRA (model.lora.rank > 0) with megatron.use_megatron_fsdp=true is not supported by verl-engine yet;"
+            " LoRA trains only the adapters, so plain DDP (use_megatron_fsdp=false) holds little optimizer state"
+        )
+    hooks: list[Any] = []
     if lora is not None:
         from verl_mcore_utils.lora import peft_pre_wrap_hook
 
         # adapters seeded by engine.seed and the module name: the same adapter at every TP / PP layout
         hooks.append(peft_pre_wrap_hook(lora, hf_config=hf, seed=engine.seed, verbose=False))
-    chunks = make_megatron_module(
-        provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config, pre_wrap_hooks=hooks
-    )
-    if model_path:  # a critic's value head keeps its initialisation (load_hf_weights skips it)
-        from verl_mcore_utils.weights import load_hf_weights
+    if model_path:
+        # before wrapping: Megatron-FSDP shards the parameters when it wraps them (a critic's value head
+        # keeps its initialisation: load_hf_weights skips it)
+        hooks.append(partial(_load_weights, model_path=model_path, hf_config=hf, lora=lora))
+    if fsdp:  # Megatron-FSDP: on the CPU debug backend the same math runs without it (plain autograd)
+        from verl_mfsdp.wrap import make_megatron_fsdp_module
 
-        with _base_model(chunks, lora=lora):
-            load_hf_weights(chunks, model_path, hf_config=hf)
+        chunks = make_megatron_fsdp_module(
+            provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config, pre_wrap_hooks=hooks
+        )
+    else:
+        chunks = make_megatron_module(
+            provider, wrap_config=wrap, override_ddp_config=engine.override_ddp_config, pre_wrap_hooks=hooks
+        )
     if mtp_layers and pp > 1:  # the last stage's copy of the word embedding starts as the first stage's
         from verl_mcore_utils.mtp import sync_mtp_embedding
 
@@ -237,15 +250,23 @@ def build_rl_engine(
     )
 
 
-def _base_model(chunks: list[torch.nn.Module], *, lora: Any | None) -> Any:
-    """The model with its LoRA layers swapped for their base linears (HF names fit), or the model itself."""
+def _load_weights(
+    chunks: list[torch.nn.Module], *, model_path: str, hf_config: Mapping[str, Any], lora: Any | None
+) -> list[torch.nn.Module]:
+    """Pre-wrap hook: the Hugging Face weights of ``model_path`` into the base model (LoRA layers swapped
+    for their base linears meanwhile, so that the names fit)."""
     import contextlib
 
-    if lora is None:
-        return contextlib.nullcontext()
-    from verl_mcore_utils.lora import without_adapters
+    from verl_mcore_utils.weights import load_hf_weights
 
-    return without_adapters(chunks)
+    context: Any = contextlib.nullcontext()
+    if lora is not None:
+        from verl_mcore_utils.lora import without_adapters
+
+        context = without_adapters(chunks)
+    with context:
+        load_hf_weights(chunks, model_path, hf_config=hf_config)
+    return chunks
 
 
 def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | None, value_model: bool) -> int:
@@ -330,7 +351,12 @@ def _optimizer(chunks: list[torch.nn.Module], *, optim: Any, engine: Any, debug:
         dtype=engine.dtype, use_distributed_optimizer=engine.use_distributed_optimizer
     )
     kwargs["params_dtype"] = tf_config.params_dtype  # verl-config is torch-free: it names the dtype
-    optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
+    if engine.use_megatron_fsdp:
+        from verl_mfsdp.wrap import make_megatron_fsdp_optimizer
+
+        optimizer = make_megatron_fsdp_optimizer(OptimizerConfig(**kwargs), chunks)
+    else:
+        optimizer = make_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
     # megatron-core puts biases and norm weights in groups with wd_mult 0 but leaves their weight_decay at the
     # config's value: its OptimizerParamScheduler multiplies them in every step. Without that scheduler (the
     # engine has its own LR schedule) set it once, or those parameters would be decayed (the debug backend's

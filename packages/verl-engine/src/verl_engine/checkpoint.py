@@ -99,6 +99,8 @@ def _layout(engine: Any) -> dict[str, Any]:
         "distributed_optimizer_dp": ps.get_data_parallel_world_size()
         if _is_distributed_optimizer(engine.optimizer)
         else None,
+        # Megatron-FSDP shards the model itself over DP
+        "megatron_fsdp_dp": ps.get_data_parallel_world_size() if engine.megatron_fsdp else None,
     }
 
 
@@ -109,6 +111,7 @@ def _model_layout(layout: Mapping[str, Any]) -> tuple[Any, ...]:
         layout["pipeline_model_parallel_size"],
         layout["virtual_pipeline_model_parallel_size"],
         layout["backend"],
+        layout.get("megatron_fsdp_dp"),
     )
 
 
@@ -313,8 +316,6 @@ def save_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from verl_mcore_utils.weights import save_hf_weights
-
     if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
         raise ValueError(f"global_step must be an int >= 0, got {global_step!r}")
     if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
@@ -332,25 +333,27 @@ def save_checkpoint(
     _barrier()
 
     tensors: dict[str, torch.Tensor] = {}
-    params = _params(engine)
-    for name, param in params.items():
-        tensors[f"param/{name}"] = param.detach().to("cpu").contiguous()
-    for i, master in enumerate(_masters(engine)):
-        tensors[f"master/{i}"] = master.detach().to("cpu").contiguous()
-    skeleton = {
-        "optimizer": _flatten(_optimizer_state(engine), "optimizer", tensors),
-        "rng": _flatten(_rng_state(), "rng", tensors),
-    }
+    skeleton: dict[str, Any] = {}
+    if engine.megatron_fsdp:  # this rank's shards of the main weights and of the optimizer state
+        from verl_mfsdp.local_state import megatron_fsdp_local_state
+
+        local, skeleton["fsdp"] = megatron_fsdp_local_state(engine.chunks, engine.optimizer)
+        tensors.update({f"fsdp/{k}": v for k, v in local.items()})
+        skeleton["optimizer"] = None
+    else:
+        for name, param in _params(engine).items():
+            tensors[f"param/{name}"] = param.detach().to("cpu").contiguous()
+        for i, master in enumerate(_masters(engine)):
+            tensors[f"master/{i}"] = master.detach().to("cpu").contiguous()
+        skeleton["optimizer"] = _flatten(_optimizer_state(engine), "optimizer", tensors)
+    skeleton["rng"] = _flatten(_rng_state(), "rng", tensors)
     file = tmp / f"rank_{rank:05d}.safetensors"
     save_file(tensors, str(file), metadata={"skeleton": json.dumps(skeleton)})
     digests = _gather({"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file)})
     # the model (or its LoRA adapter) in Hugging Face format, gathered over TP and PP (a collective; rank 0
     # writes): what another layout loads
     if not engine.value_model and engine.hf_config is not None:
-        if _lora_meta(engine) is None:
-            save_hf_weights(engine.chunks, tmp / "hf", hf_config=engine.hf_config)
-        else:
-            engine.save_hf(str(tmp / "lora_adapter"))
+        engine.save_hf(str(tmp / ("hf" if _lora_meta(engine) is None else "lora_adapter")))
     _barrier()
     if rank == 0:
         files = {d["file"]: {"bytes": d["bytes"], "sha256": d["sha256"]} for d in digests}
@@ -490,6 +493,12 @@ def load_checkpoint(
                 f" ({current['backend']}). Optimizer and RNG states are per rank and cannot change layout: load with"
                 " load_optimizer=False to restore the model only (from its Hugging Face copy)"
             )
+        if engine.megatron_fsdp:
+            raise CheckpointError(
+                f"{directory}: a Megatron-FSDP engine resumes only at the saved layout with its optimizer"
+                f" (load_optimizer=True); to start from the model alone, build the engine with"
+                f" model.path={directory / 'hf'}"
+            )
         sub = "lora_adapter" if meta.get("lora") else "hf"
         if not meta.get("has_adapter" if meta.get("lora") else "has_hf"):
             raise CheckpointError(
@@ -524,6 +533,29 @@ def load_checkpoint(
     if name not in meta["files"]:  # a smaller or larger DP x CP pool: any replica of this shard will do
         name = f"rank_{_replica_rank(saved, current, rank):05d}.safetensors"
     tensors, skeleton = _read_rank_file(_verified(directory, meta, name))
+    if engine.megatron_fsdp:
+        from verl_mfsdp.local_state import load_megatron_fsdp_local_state
+
+        if not load_optimizer:
+            raise CheckpointError(
+                f"{directory}: a Megatron-FSDP engine restores its model and optimizer shards together"
+                f" (load_optimizer=True); to start from the model alone, build the engine with"
+                f" model.path={directory / 'hf'}"
+            )
+        if "fsdp" not in skeleton:
+            raise CheckpointError(f"{directory / name} holds no Megatron-FSDP state")
+        try:
+            load_megatron_fsdp_local_state(
+                engine.chunks,
+                engine.optimizer,
+                tensors={k.removeprefix("fsdp/"): v for k, v in tensors.items() if k.startswith("fsdp/")},
+                description=skeleton["fsdp"],
+                source=str(directory / name),
+            )
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        _restore_schedule_and_rng(engine, meta, skeleton, tensors)
+        return {"global_step": meta["global_step"], "data_position": meta["data_position"]}
     params = _params(engine)
     stored = {k.removeprefix("param/") for k in tensors if k.startswith("param/")}
     if stored != set(params):
@@ -550,10 +582,16 @@ def load_checkpoint(
         if state is not None:
             _load_optimizer_state(engine, state, file=directory / name)
             _restore_masters(engine, tensors, file=directory / name)
-        if engine.lr_schedule is not None and meta["lr_schedule"] is not None:
-            engine.lr_schedule.load_state_dict(meta["lr_schedule"])
-        _set_rng_state(_unflatten(skeleton["rng"], tensors))
+        _restore_schedule_and_rng(engine, meta, skeleton, tensors)
     return {"global_step": meta["global_step"], "data_position": meta["data_position"]}
+
+
+def _restore_schedule_and_rng(
+    engine: Any, meta: Mapping[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    if engine.lr_schedule is not None and meta["lr_schedule"] is not None:
+        engine.lr_schedule.load_state_dict(meta["lr_schedule"])
+    _set_rng_state(_unflatten(skeleton["rng"], tensors))
 
 
 def _sharding(dp: int | None) -> str:

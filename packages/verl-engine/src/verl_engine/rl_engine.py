@@ -231,6 +231,11 @@ class RLEngine:
         return not dist.is_initialized() or dist.get_rank() == 0
 
     @property
+    def megatron_fsdp(self) -> bool:
+        """True when the chunks are wrapped by Megatron-FSDP (``megatron.use_megatron_fsdp`` on CUDA)."""
+        return any(getattr(getattr(c, "ddp_config", None), "use_megatron_fsdp", False) for c in self.chunks)
+
+    @property
     def pool_size(self) -> int:
         """Ranks whose gradients are averaged: DP x CP (the pool verl-dyncp plans over)."""
         return int(self.cp_groups.world_size)
@@ -276,25 +281,36 @@ class RLEngine:
         stays 1x), device memory released; DDP / distributed-optimizer views stay valid. A group already
         offloaded is an error, as is using the engine before :meth:`onload`. Returns the transfer stats.
         """
-        from verl_mcore_utils.offload import offload_megatron_model, offload_megatron_optimizer
-
         out: dict[str, Any] = {}
+        offload_model, offload_optimizer = self._offload_functions("offload")
         if params or grads:
-            out["model"] = offload_megatron_model(self.chunks, params=params, grads=grads).as_dict()
+            out["model"] = offload_model(self.chunks, params=params, grads=grads).as_dict()
         if optimizer and self.optimizer is not None:
-            out["optimizer"] = offload_megatron_optimizer(self.optimizer).as_dict()
+            out["optimizer"] = offload_optimizer(self.optimizer).as_dict()
         return out
 
     def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
         """Bring back, bit for bit, what :meth:`offload` moved (the same selection)."""
-        from verl_mcore_utils.offload import onload_megatron_model, onload_megatron_optimizer
-
         out: dict[str, Any] = {}
+        onload_model, onload_optimizer = self._offload_functions("onload")
         if params or grads:
-            out["model"] = onload_megatron_model(self.chunks, params=params, grads=grads).as_dict()
+            out["model"] = onload_model(self.chunks, params=params, grads=grads).as_dict()
         if optimizer and self.optimizer is not None:
-            out["optimizer"] = onload_megatron_optimizer(self.optimizer).as_dict()
+            out["optimizer"] = onload_optimizer(self.optimizer).as_dict()
         return out
+
+    def _offload_functions(self, direction: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(model, optimizer) functions of verl-mfsdp for Megatron-FSDP chunks, else of verl-mcore-utils."""
+        if self.megatron_fsdp:
+            import verl_mfsdp.offload as fsdp
+
+            return (
+                getattr(fsdp, f"{direction}_megatron_fsdp_model"),
+                getattr(fsdp, f"{direction}_megatron_fsdp_optimizer"),
+            )
+        import verl_mcore_utils.offload as ddp
+
+        return getattr(ddp, f"{direction}_megatron_model"), getattr(ddp, f"{direction}_megatron_optimizer")
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -351,6 +367,10 @@ class RLEngine:
             from verl_mcore_utils.lora import export_merged_hf_weights
 
             pairs = export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
+        elif self.megatron_fsdp:
+            from verl_mfsdp.export import export_megatron_fsdp_hf_weights
+
+            pairs = export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
         else:
             pairs = export_hf_weights(self.chunks, hf_config=self.hf_config)
         yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes)
@@ -400,16 +420,16 @@ class RLEngine:
                 lora=self.lora,
                 base_model_name_or_path=self._tokenizer_path,
             )
+        weights = None
         if self.lora is not None:
             from verl_mcore_utils.lora import export_merged_hf_weights
 
-            return save_hf_weights(
-                self.chunks,
-                path,
-                hf_config=self.hf_config,
-                weights=export_merged_hf_weights(self.chunks, hf_config=self.hf_config),
-            )
-        return save_hf_weights(self.chunks, path, hf_config=self.hf_config)
+            weights = export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
+        elif self.megatron_fsdp:
+            from verl_mfsdp.export import export_megatron_fsdp_hf_weights
+
+            weights = export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
+        return save_hf_weights(self.chunks, path, hf_config=self.hf_config, weights=weights)
 
     def _check_exportable(self) -> None:
         if self.value_model:

@@ -230,6 +230,7 @@ def make_megatron_module(
 _WRAPPER_NAMES = (
     "DistributedDataParallel",
     "FullyShardedDataParallel",
+    "MegatronFSDP",  # the module inside megatron-core's FullyShardedDataParallel
     "Float16Module",
     "TorchFullyShardedDataParallel",
 )

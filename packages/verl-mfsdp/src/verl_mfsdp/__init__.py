@@ -10,6 +10,7 @@ from verl_mfsdp.checkpoint import (
     save_megatron_fsdp_checkpoint,
 )
 from verl_mfsdp.export import export_megatron_fsdp_hf_weights
+from verl_mfsdp.local_state import load_megatron_fsdp_local_state, megatron_fsdp_local_state
 from verl_mfsdp.offload import (
     megatron_fsdp_chunks,
     offload_megatron_fsdp_model,
@@ -32,11 +33,13 @@ __all__ = [
     "SHARDING_STRATEGIES",
     "export_megatron_fsdp_hf_weights",
     "load_megatron_fsdp_checkpoint",
+    "load_megatron_fsdp_local_state",
     "make_megatron_fsdp_module",
     "make_megatron_fsdp_optimizer",
     "megatron_fsdp_chunks",
     "megatron_fsdp_ddp_config",
     "megatron_fsdp_defaults",
+    "megatron_fsdp_local_state",
     "offload_megatron_fsdp_model",
     "offload_megatron_fsdp_optimizer",
     "onload_megatron_fsdp_model",
