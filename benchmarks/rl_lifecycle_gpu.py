@@ -1,6 +1,6 @@
 """The RL lifecycle on one GPU, bf16: offload / onload, weights for rollout in buckets, checkpoint resume.
 
-    python3 benchmarks/rl_lifecycle_gpu.py --out benchmarks/results/rl_lifecycle_h100.json
+    python3 benchmarks/rl_lifecycle_gpu.py --out benchmarks/results/rl_lifecycle_h200.json
 
 A random Qwen2.5-0.5B-shaped model (``--layers`` decoder layers) loaded through ``model.path``; the actor
 engine on the megatron backend: DDP + megatron's mixed-precision optimizer, the distributed optimizer, and

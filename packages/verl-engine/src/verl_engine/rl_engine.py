@@ -373,7 +373,8 @@ class RLEngine:
             pairs = export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
         else:
             pairs = export_hf_weights(self.chunks, hf_config=self.hf_config)
-        yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes)
+        # verl-mfsdp's gathered tensors are fresh copies: the bucket takes them as they are
+        yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes, owned=self.megatron_fsdp and mode is None)
 
     def get_per_tensor_param(
         self, *, bucket_bytes: int = 1 << 29, lora_mode: str | None = None

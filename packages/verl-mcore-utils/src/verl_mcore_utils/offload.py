@@ -208,6 +208,16 @@ def _clear_last_cuda_error() -> None:
         pass
 
 
+def _release_cuda_cache() -> None:
+    """Hand cached device memory back to the driver, e.g. for a rollout engine. cuBLAS's workspaces (tens of
+    MiB per stream, allocated through PyTorch's caching allocator by the first matmul) are released too:
+    ``empty_cache`` keeps them, and the next matmul allocates them again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over a whole storage, whatever the dtypes of the tensors that use it."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
@@ -441,7 +451,7 @@ def _offload(
         state._group(kind).offloaded = pairs
         bytes_by_kind[kind] += sum(buf.nbytes for _, buf in pairs)
     if empty_cache and any(s.device.type == "cuda" for s in all_storages):
-        torch.cuda.empty_cache()  # hand the memory back to the driver, e.g. for a rollout engine
+        _release_cuda_cache()
     stats = OffloadStats(
         direction="offload",
         bytes_by_kind=dict(bytes_by_kind),

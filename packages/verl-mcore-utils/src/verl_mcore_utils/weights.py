@@ -756,10 +756,11 @@ def export_hf_weight_buckets(
 
 
 def bucket_tensors(
-    pairs: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int
+    pairs: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int, owned: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a bigger tensor alone), each
-    tensor cloned so that the bucket owns it (the source may reuse or share memory)."""
+    tensor cloned so that the bucket owns it (the source may reuse or share memory), unless ``owned``: the
+    source yields fresh tensors nobody else holds (a second copy would cost one more largest tensor)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int (bytes per bucket), got {bucket_bytes!r}")
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -769,7 +770,7 @@ def bucket_tensors(
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor.detach().clone()))
+        bucket.append((name, tensor.detach() if owned else tensor.detach().clone()))
         size += nbytes
     if bucket:
         yield bucket
