@@ -576,3 +576,36 @@ def lora_surface(
         "adapter": adapter if keep else None,
         "peft_config": peft_config,
     }
+
+
+def rollout_round_trip(
+    rank: int, world_size: int, model_dir: str, prompts: list[list[int]]
+) -> dict[str, Any]:
+    """The actor engine's weights into an HFRollout (weight sync), greedy and sampled generation, then the
+    engine's log-probs of the greedy responses (verl's batch layout from ``rollout_batch``)."""
+    import json
+    from pathlib import Path
+
+    from verl_engine.grpo import rollout_batch
+    from verl_engine.rollout import HFRollout, SamplingParams
+
+    engine, _ = _engine(["trainer.n_gpus_per_node=1"], "actor", model_dir, "cpu")
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    rollout = HFRollout(hf_config=hf_config, eos_token_id=5, pad_token_id=0)
+    weights, peft_config = engine.get_per_tensor_param(bucket_bytes=1 << 16)
+    rollout.update_weights(weights)
+    greedy = rollout.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    sampled = [rollout.generate(prompts, SamplingParams(max_new_tokens=6, n=3, seed=7)) for _ in range(2)]
+    batch = rollout_batch(prompts, greedy, pad_token_id=0)
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(batch)["model_output"]["log_probs"].float()
+    state = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    return {
+        "greedy": greedy,
+        "sampled": sampled,
+        "batch": batch,
+        "log_probs": log_probs,
+        "peft_config": peft_config,
+        "rollout_state": state if rank == 0 else None,
+        "hf_config": hf_config,
+    }

@@ -9,6 +9,9 @@ Public API:
 * Losses (:mod:`verl_engine.losses`): ``ppo_loss``, ``value_loss``, ``sft_loss``, ``agg_loss``,
   ``kl_penalty``, the policy-loss registry; the learning-rate schedule (:mod:`verl_engine.lr_schedule`);
   vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`).
+* RL loop pieces: the rollout contract :class:`RolloutEngine` (``update_weights`` / ``generate``,
+  :class:`SamplingParams`) and its transformers implementation :class:`HFRollout`; GRPO advantages
+  (:func:`grpo_outcome_advantage`) and verl's batch layout of a rollout (:func:`rollout_batch`).
 * The SFT engine and loop of ``verl-engine train``: :class:`Engine` / :func:`build_engine`, :func:`train`,
   packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`). The demo data of
   ``verl-engine train`` lives in :mod:`verl_engine.demo` (not part of the engine's API).
@@ -25,19 +28,24 @@ _LAZY: dict[str, str] = {
     "Batch": "verl_engine.data",
     "CPLayout": "verl_engine.packed",
     "Engine": "verl_engine.engine",
+    "HFRollout": "verl_engine.rollout",
     "MicroBatching": "verl_engine.rl_engine",
     "PackedBatch": "verl_engine.packed",
     "RLBatch": "verl_engine.rl_batch",
     "RLEngine": "verl_engine.rl_engine",
+    "RolloutEngine": "verl_engine.rollout",
     "RunSummary": "verl_engine.trainer",
+    "SamplingParams": "verl_engine.rollout",
     "StepMetrics": "verl_engine.engine",
     "build_engine": "verl_engine.engine",
     "build_rl_engine": "verl_engine.build_rl",
     "cp_layout_from_config": "verl_engine.packed",
+    "grpo_outcome_advantage": "verl_engine.grpo",
     "lr_at_step": "verl_engine.engine",
     "masked_loss_sum": "verl_engine.loss",
     "resolve_device": "verl_engine.trainer",
     "rl_engine_from_config": "verl_engine.build_rl",
+    "rollout_batch": "verl_engine.grpo",
     "split_packed_micro_batches": "verl_engine.packed",
     "train": "verl_engine.trainer",
     "vocab_parallel_log_probs_and_entropy": "verl_engine.logprobs",
