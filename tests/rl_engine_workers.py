@@ -609,3 +609,17 @@ def rollout_round_trip(
         "rollout_state": state if rank == 0 else None,
         "hf_config": hf_config,
     }
+
+
+def grpo_run(
+    rank: int, world_size: int, out_dir: str, overrides: list[str], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``run_grpo`` on the embedded arithmetic task; returns its result and the metrics file's records."""
+    import json
+    from pathlib import Path
+
+    from verl_engine.grpo_run import GRPORun, run_grpo
+
+    result = run_grpo(GRPORun(out_dir=out_dir, overrides=overrides, **kwargs))
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return {**result, "records": [json.loads(line) for line in lines]}

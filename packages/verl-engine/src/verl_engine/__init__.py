@@ -11,7 +11,8 @@ Public API:
   vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`).
 * RL loop pieces: the rollout contract :class:`RolloutEngine` (``update_weights`` / ``generate``,
   :class:`SamplingParams`) and its transformers implementation :class:`HFRollout`; GRPO advantages
-  (:func:`grpo_outcome_advantage`) and verl's batch layout of a rollout (:func:`rollout_batch`).
+  (:func:`grpo_outcome_advantage`) and verl's batch layout of a rollout (:func:`rollout_batch`); the GRPO loop of
+  ``verl-engine grpo`` on the embedded arithmetic task (:class:`GRPORun`, :func:`run_grpo`).
 * The SFT engine and loop of ``verl-engine train``: :class:`Engine` / :func:`build_engine`, :func:`train`,
   packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`). The demo data of
   ``verl-engine train`` lives in :mod:`verl_engine.demo` (not part of the engine's API).
@@ -28,6 +29,7 @@ _LAZY: dict[str, str] = {
     "Batch": "verl_engine.data",
     "CPLayout": "verl_engine.packed",
     "Engine": "verl_engine.engine",
+    "GRPORun": "verl_engine.grpo_run",
     "HFRollout": "verl_engine.rollout",
     "MicroBatching": "verl_engine.rl_engine",
     "PackedBatch": "verl_engine.packed",
@@ -46,6 +48,7 @@ _LAZY: dict[str, str] = {
     "resolve_device": "verl_engine.trainer",
     "rl_engine_from_config": "verl_engine.build_rl",
     "rollout_batch": "verl_engine.grpo",
+    "run_grpo": "verl_engine.grpo_run",
     "split_packed_micro_batches": "verl_engine.packed",
     "train": "verl_engine.trainer",
     "vocab_parallel_log_probs_and_entropy": "verl_engine.logprobs",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from verl_config import ConfigError, SFTConfig, load_config
 
@@ -50,7 +51,43 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides (OmegaConf dotlist)"
     )
+    grpo = sub.add_parser(
+        "grpo",
+        help="GRPO end to end on the embedded arithmetic task: warm start, rollout, reward, KL, update",
+        description="Any verl ppo_trainer key can be given as key=value (e.g. actor_rollout_ref.rollout.n=8,"
+        " algorithm.use_kl_in_reward=true, trainer.save_freq=5).",
+    )
+    grpo.add_argument("--out", required=True, help="run directory: metrics.jsonl, sft/, checkpoints/")
+    grpo.add_argument("--steps", type=int, help="GRPO steps (trainer.total_training_steps)")
+    grpo.add_argument("--warmup-steps", type=int, default=40, help="supervised warm-start steps (default 40)")
+    grpo.add_argument("--seed", type=int, default=0, help="run seed: model init, problems, sampling")
+    grpo.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    grpo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    grpo.add_argument("overrides", nargs="*", metavar="key=value", help="verl ppo_trainer overrides")
     return parser
+
+
+def run_grpo_command(args: argparse.Namespace) -> int:
+    """``verl-engine grpo``: prints the held-out accuracy per evaluation and where the metrics are."""
+    from verl_engine.grpo_run import GRPORun, run_grpo
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"trainer.total_training_steps={args.steps}")
+    result = run_grpo(
+        GRPORun(
+            out_dir=args.out,
+            overrides=overrides,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+            resume=args.resume,
+            device=args.device,
+        )
+    )
+    for step, accuracy in sorted(result["eval"].items()):
+        print(f"held-out accuracy after step {step}: {accuracy:.3f}")
+    print(f"metrics: {Path(args.out) / 'metrics.jsonl'}")
+    return 0
 
 
 def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
@@ -69,6 +106,17 @@ def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grpo"]:
+        import warnings
+
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"megatron(\.|$)")
+        args = _parser().parse_args(argv)
+        try:
+            return run_grpo_command(args)
+        except (ConfigError, FileNotFoundError) as err:
+            print(f"verl-engine grpo: {err}", file=sys.stderr)
+            return 2
     try:
         cfg, _ = parse_train_args(argv)
     except (ConfigError, FileNotFoundError) as err:
