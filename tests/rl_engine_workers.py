@@ -612,14 +612,42 @@ def rollout_round_trip(
 
 
 def grpo_run(
-    rank: int, world_size: int, out_dir: str, overrides: list[str], kwargs: dict[str, Any]
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    overrides: list[str],
+    kwargs: dict[str, Any],
+    check_sync: bool = False,
 ) -> dict[str, Any]:
-    """``run_grpo`` on the embedded arithmetic task; returns its result and the metrics file's records."""
+    """``run_grpo`` on the embedded arithmetic task; returns its result and the metrics file's records.
+
+    ``check_sync``: afterwards (the last step ends with an evaluation, i.e. a weight sync), every tensor of
+    the rollout model is compared with the actor engine's export: ``sync_mismatches`` lists those not equal.
+    """
     import json
     from pathlib import Path
 
-    from verl_engine.grpo_run import GRPORun, run_grpo
+    import torch
 
-    result = run_grpo(GRPORun(out_dir=out_dir, overrides=overrides, **kwargs))
+    from verl_engine.demo import CharTokenizer
+    from verl_engine.grpo_run import GRPORun, InProcessWorkers, run_grpo, tiny_arithmetic_hf_config
+    from verl_engine.rollout import HFRollout
+
+    run = GRPORun(out_dir=out_dir, overrides=overrides, **kwargs)
+    workers = InProcessWorkers(device="cpu")
+    tok = CharTokenizer()
+    rollout = None
+    if check_sync:
+        hf = tiny_arithmetic_hf_config(
+            vocab_size=tok.vocab_size, hidden_size=run.hidden_size, layers=run.layers
+        )
+        rollout = HFRollout(hf_config=hf, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    result = run_grpo(run, workers=workers, rollout=rollout)
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
-    return {**result, "records": [json.loads(line) for line in lines]}
+    out = {**result, "records": [json.loads(line) for line in lines]}
+    if check_sync:
+        exported = dict(workers.export_weights("actor"))
+        params = dict(rollout.model.named_parameters())
+        out["sync_names"] = sorted(params) == sorted(exported)
+        out["sync_mismatches"] = [n for n, p in params.items() if not torch.equal(p, exported[n])]
+    return out

@@ -54,40 +54,117 @@ def _parser() -> argparse.ArgumentParser:
     grpo = sub.add_parser(
         "grpo",
         help="GRPO end to end on the embedded arithmetic task: warm start, rollout, reward, KL, update",
-        description="Any verl ppo_trainer key can be given as key=value (e.g. actor_rollout_ref.rollout.n=8,"
-        " algorithm.use_kl_in_reward=true, trainer.save_freq=5).",
+        description="GRPO on the embedded arithmetic task (nothing to download): a supervised warm start, then per"
+        " step weight sync into the transformers rollout, n samples per prompt, exact-match reward, group-normalised"
+        " advantages, reference KL, PPO update. Any verl ppo_trainer key can be given as key=value (e.g."
+        " actor_rollout_ref.rollout.n=8, algorithm.use_kl_in_reward=true, trainer.save_freq=5,"
+        " actor_rollout_ref.model.path=<Hugging Face directory>). Under torchrun every process is a rank:"
+        " torchrun --nproc-per-node 2 -m verl_engine grpo --out run actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
     )
-    grpo.add_argument("--out", required=True, help="run directory: metrics.jsonl, sft/, checkpoints/")
-    grpo.add_argument("--steps", type=int, help="GRPO steps (trainer.total_training_steps)")
-    grpo.add_argument("--warmup-steps", type=int, default=40, help="supervised warm-start steps (default 40)")
+    grpo.add_argument(
+        "--out", required=True, help="run directory: metrics.jsonl, grpo.png, sft/, checkpoints/"
+    )
+    grpo.add_argument("--steps", type=int, help="GRPO steps (trainer.total_training_steps, default 100)")
+    grpo.add_argument("--warmup-steps", type=int, help="supervised warm-start steps (default 1000; 0: none)")
+    grpo.add_argument(
+        "--warmup-error-rate",
+        type=float,
+        help="fraction of the warm-start demonstrator's answers that are off by one (default 0.7)",
+    )
     grpo.add_argument("--seed", type=int, default=0, help="run seed: model init, problems, sampling")
     grpo.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     grpo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    grpo.add_argument("--hidden-size", type=int, help="embedded model width (default 128)")
+    grpo.add_argument("--layers", type=int, help="embedded model depth (default 2)")
+    grpo.add_argument(
+        "--offload",
+        action="store_true",
+        help="colocated: actor params/grads/optimizer and ref params off the GPU while the rollout runs"
+        " (sets verl's actor/ref megatron.*_offload keys)",
+    )
+    grpo.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the engines in a Ray worker group (trainer.nnodes x trainer.n_gpus_per_node ranks)",
+    )
+    grpo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    grpo.add_argument("--no-plot", action="store_true", help="do not write <out>/grpo.png (needs matplotlib)")
     grpo.add_argument("overrides", nargs="*", metavar="key=value", help="verl ppo_trainer overrides")
     return parser
 
 
+_OFFLOAD_KEYS = (
+    "actor_rollout_ref.actor.megatron.param_offload=true",
+    "actor_rollout_ref.actor.megatron.grad_offload=true",
+    "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+    "actor_rollout_ref.ref.megatron.param_offload=true",
+)
+
+
 def run_grpo_command(args: argparse.Namespace) -> int:
     """``verl-engine grpo``: prints the held-out accuracy per evaluation and where the metrics are."""
-    from verl_engine.grpo_run import GRPORun, run_grpo
+    from verl_engine.grpo_run import GRPORun, RayWorkers, run_grpo
 
-    overrides = list(args.overrides)
+    overrides = [*(_OFFLOAD_KEYS if args.offload else ()), *args.overrides]
     if args.steps is not None:
         overrides.append(f"trainer.total_training_steps={args.steps}")
-    result = run_grpo(
-        GRPORun(
-            out_dir=args.out,
-            overrides=overrides,
-            warmup_steps=args.warmup_steps,
-            seed=args.seed,
-            resume=args.resume,
-            device=args.device,
-        )
+    optional = {
+        "warmup_steps": args.warmup_steps,
+        "warmup_error_rate": args.warmup_error_rate,
+        "hidden_size": args.hidden_size,
+        "layers": args.layers,
+    }
+    run = GRPORun(
+        out_dir=args.out,
+        overrides=overrides,
+        seed=args.seed,
+        resume=args.resume,
+        device=args.device,
+        progress=not args.no_progress,
+        plot=not args.no_plot,
+        **{k: v for k, v in optional.items() if v is not None},
     )
+    if run.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "the plot needs matplotlib: pip install 'verl-engine[grpo]', or pass --no-plot"
+            ) from None
+    workers, group = None, None
+    if args.ray:
+        group = _ray_group(overrides, device=args.device)
+        workers = RayWorkers(group, device=args.device)
+    try:
+        result = run_grpo(run, workers=workers)
+    finally:
+        if group is not None:
+            group.shutdown()
     for step, accuracy in sorted(result["eval"].items()):
         print(f"held-out accuracy after step {step}: {accuracy:.3f}")
     print(f"metrics: {Path(args.out) / 'metrics.jsonl'}")
+    if run.plot:
+        print(f"plot: {Path(args.out) / 'grpo.png'}")
     return 0
+
+
+def _ray_group(overrides: list[str], *, device: str) -> object:
+    """A RayWorkerGroup of trainer.nnodes x trainer.n_gpus_per_node ranks (a local Ray if none is running)."""
+    import os
+
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'verl-engine[ray]'") from None
+    from verl_engine.grpo_run import _DEFAULTS
+    from verl_engine.ray_workers import RayWorkerGroup
+
+    cfg = load_config(overrides=[*_DEFAULTS, *overrides])
+    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(world, 1), include_dashboard=False, log_to_driver=False)
+    return RayWorkerGroup(world_size=world, gpus_per_rank=1 if device == "cuda" else 0)
 
 
 def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:

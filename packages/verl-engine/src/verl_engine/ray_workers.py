@@ -70,8 +70,18 @@ class EngineWorker:
         )
         return self.rank
 
-    def build(self, *, role: str, overrides: Sequence[str], device: str) -> None:
-        """Load the unified config from verl override strings and build ``role``'s engine in this process."""
+    def build(
+        self,
+        *,
+        role: str,
+        overrides: Sequence[str],
+        device: str,
+        hf_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Load the unified config from verl override strings and build ``role``'s engine in this process.
+
+        ``hf_config``: a ``config.json`` content to build a randomly initialised model from (no ``model.path``).
+        """
         import torch
         from megatron.core import parallel_state
 
@@ -94,11 +104,45 @@ class EngineWorker:
                 device=device,
             )
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        self.engines[role] = rl_engine_from_config(cfg, role=role, device=dev)
+        self.engines[role] = rl_engine_from_config(cfg, role=role, device=dev, hf_config=hf_config)
         self.configs[role] = cfg
 
+    def drop(self, role: str) -> None:
+        """Release ``role``'s engine (its parameters, gradients and optimizer state)."""
+        import gc
+
+        import torch
+
+        self.engines.pop(role, None)
+        self.configs.pop(role, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def export_weights(self, role: str) -> list[tuple[str, Any]] | None:
+        """``role``'s Hugging Face weights as a list of (name, CPU tensor) on the rank with outputs, else None.
+
+        Every rank takes part (the gathers over TP / PP / FSDP are collectives); what crosses a process
+        boundary (Ray) has to be a materialised list, not the engine's generator.
+        """
+        engine = self.engines[role]
+        weights, _ = engine.get_per_tensor_param()
+        keep = engine.is_mp_src_rank_with_outputs()
+        out = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+        return out if keep else None
+
     def call(self, role: str, method: str, data: Any = None, loss: str | None = None, **kwargs: Any) -> Any:
-        """``engine.<method>(data, loss_fn, ...)`` in the mode it needs; ``loss`` names a verl loss."""
+        """``engine.<method>(data, loss_fn, ...)`` in the mode it needs; ``loss`` names a verl loss.
+
+        Returns the result on the rank with outputs, None on the others (what Ray sends back).
+        """
+        out = self.call_local(role, method, data, loss=loss, **kwargs)
+        return out if self.engines[role].is_mp_src_rank_with_outputs() else None
+
+    def call_local(
+        self, role: str, method: str, data: Any = None, *, loss: str | None = None, **kwargs: Any
+    ) -> Any:
+        """:meth:`call` returning this rank's result on every rank (in-process use under torchrun)."""
         from functools import partial
 
         from verl_engine import losses
@@ -115,7 +159,7 @@ class EngineWorker:
                 out = engine.infer_batch(data, **kwargs)
         else:
             out = getattr(engine, method)(*(() if data is None else (data,)), **kwargs)
-        return out if engine.is_mp_src_rank_with_outputs() else None
+        return out
 
     def barrier_after(self, seconds: float) -> int:
         """Sleep, then join a collective (tests use it to have a rank die while the others wait)."""
@@ -251,10 +295,17 @@ class RayWorkerGroup:
         """``EngineWorker.<method>(*args, **kwargs)`` on every rank; every rank's result."""
         return self._wait([getattr(w, method).remote(*args, **kwargs) for w in self.workers], what=method)
 
-    def build(self, *, roles: Sequence[str], overrides: Sequence[str], device: str = "cpu") -> None:
+    def build(
+        self,
+        *,
+        roles: Sequence[str],
+        overrides: Sequence[str],
+        device: str = "cpu",
+        hf_config: dict[str, Any] | None = None,
+    ) -> None:
         """Build every role's engine on every rank (colocated: the same actors and process groups)."""
         for role in roles:
-            self.run("build", role=role, overrides=list(overrides), device=device)
+            self.run("build", role=role, overrides=list(overrides), device=device, hf_config=hf_config)
 
     def call(
         self, role: str, method: str, data: Any = None, *, loss: str | None = None, **kwargs: Any

@@ -119,6 +119,17 @@ class HFRollout:
             self.model.tie_weights()
         self.updates += 1
 
+    def sleep(self) -> None:
+        """Free the device while the trainer works (colocation): the weights move to host memory."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Back on the device before the next weight update / generation."""
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         if self.updates == 0:
