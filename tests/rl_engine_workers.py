@@ -618,8 +618,12 @@ def grpo_run(
     overrides: list[str],
     kwargs: dict[str, Any],
     check_sync: bool = False,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """``run_grpo`` on the embedded arithmetic task; returns its result and the metrics file's records.
+
+    ``threads``: torch's intra-op threads (Ray's workers run with one: the same count gives the same
+    floating-point reduction order).
 
     ``check_sync``: afterwards (the last step ends with an evaluation, i.e. a weight sync), every tensor of
     the rollout model is compared with the actor engine's export: ``sync_mismatches`` lists those not equal.
@@ -633,6 +637,8 @@ def grpo_run(
     from verl_engine.grpo_run import GRPORun, InProcessWorkers, run_grpo, tiny_arithmetic_hf_config
     from verl_engine.rollout import HFRollout
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     run = GRPORun(out_dir=out_dir, overrides=overrides, **kwargs)
     workers = InProcessWorkers(device="cpu")
     tok = CharTokenizer()
@@ -651,3 +657,14 @@ def grpo_run(
         out["sync_names"] = sorted(params) == sorted(exported)
         out["sync_mismatches"] = [n for n, p in params.items() if not torch.equal(p, exported[n])]
     return out
+
+
+def ppo_overrides(world: int, extra: list[str]) -> list[str]:
+    """The PPO batch keys the lifecycle tests share: ``world`` ranks, 8 sequences per step, then ``extra``."""
+    return [
+        f"trainer.n_gpus_per_node={world}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        f"critic.ppo_micro_batch_size_per_gpu={max(1, 8 // world // 2)}",
+        *extra,
+    ]

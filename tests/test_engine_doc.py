@@ -10,6 +10,8 @@ import pytest
 
 from verl_mcore_utils.testing import run_distributed
 
+pytestmark = pytest.mark.above_engine
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "engine.md"
 
 

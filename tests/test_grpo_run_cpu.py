@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from rl_engine_workers import grpo_run
 
 from verl_mcore_utils.testing import run_distributed
+
+pytestmark = pytest.mark.above_engine
 
 RUN = {"warmup_steps": 15, "warmup_batch_size": 32, "eval_size": 16, "seed": 3}
 SMALL = [
@@ -59,6 +62,7 @@ def test_grpo_loop_invariants_exact_resume_and_offload(tmp_path: Path) -> None:
     assert all(r["advantage_group_mean_abs_max"] < 1e-6 for r in records)
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["response_length"] > 0 for r in records)
     assert all(r["offload"] is False and r["memory_gib"] is None for r in records)
+    assert all(r["entropy"] > 0 and 0 <= r["pg_clipfrac"] <= 1 for r in records)
     assert set(records[0]["seconds"]) == {"sync", "generate", "old_log_prob", "ref_log_prob", "train", "step"}
     assert set(straight["eval"]) == {0, 3, 6}
     assert straight["sync_names"] and straight["sync_mismatches"] == []
@@ -154,12 +158,22 @@ def test_grpo_on_a_hugging_face_model_directory(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [1, 2, 3] and records[0]["kl"] == 0.0
     assert all(r["advantage_group_mean_abs_max"] < 1e-6 for r in records)
     assert set(result["eval"]) == {0, 3}
-    assert (tmp_path / "run" / "sft" / "config.json").is_file()
+    sft = tmp_path / "run" / "sft"
+    assert (sft / "config.json").is_file() and (sft / "tokenizer_config.json").is_file()
+    # its warm-started sft/ is a model directory too (init from it, no warm start): the same step-0 accuracy
+    again = run_distributed(
+        grpo_run,
+        world_size=1,
+        args=(
+            str(tmp_path / "again"),
+            [*SMALL, f"actor_rollout_ref.model.path={sft}", "trainer.total_training_steps=1"],
+            {**RUN, "warmup_steps": 0},
+        ),
+    )[0]
+    assert again["eval"][0] == result["eval"][0]
 
 
 def test_grpo_command_line(capsys, tmp_path: Path) -> None:
-    import pytest
-
     from verl_engine.cli import main
 
     with pytest.raises(SystemExit) as exit_info:

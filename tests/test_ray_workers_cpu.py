@@ -5,22 +5,28 @@
   environment), to 1e-6, and the reference's log-probs.
 * A simulated two-node cluster (``ray.cluster_utils.Cluster``) places the two ranks on different nodes
   (STRICT_SPREAD), each with LOCAL_RANK 0, and their process group works.
+* ``verl-engine grpo``'s loop with its engines in a DP 2 Ray worker group (driver: rollout, reward, advantages)
+  writes the same metrics, bitwise, as the same loop launched as two torchrun-style processes.
 * A rank killed (SIGKILL) while the other waits in a collective makes the call raise ``WorkerGroupError``
   naming the dead rank within seconds, instead of hanging; the group is shut down.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 
 import pytest
-from rl_engine_workers import BASE, checkpoint_run, verl_batch
+import torch
+from rl_engine_workers import BASE, checkpoint_run, grpo_run, verl_batch
 
 from verl_engine.ray_workers import RayWorkerGroup, WorkerGroupError
 from verl_mcore_utils.testing import run_distributed
+
+pytestmark = pytest.mark.above_engine
 
 # Under `uv run` Ray would start its workers through `uv run` in a copy of the project (without the extras);
 # the tests run workers with this interpreter, as a trainer's driver does. Ray reads this when it is imported,
@@ -95,6 +101,46 @@ def test_two_nodes_get_one_rank_each(tmp_path) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_ray_grpo_loop_matches_torchrun_dp2(tmp_path, local_ray) -> None:
+    from verl_engine.grpo_run import GRPORun, RayWorkers, run_grpo
+
+    overrides = [
+        "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+    ]
+    run = {"warmup_steps": 60, "warmup_batch_size": 32, "eval_size": 8, "seed": 5}
+    expected = run_distributed(
+        grpo_run, world_size=2, args=(str(tmp_path / "torchrun"), overrides, run, False, 1)
+    )[0]
+    group = RayWorkerGroup(world_size=2, timeout_s=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the driver's rollout, like the torchrun ranks' (Ray's workers have one)
+    try:
+        result = run_grpo(
+            GRPORun(out_dir=str(tmp_path / "ray"), overrides=overrides, **run),
+            workers=RayWorkers(group, device="cpu"),
+        )
+    finally:
+        torch.set_num_threads(threads)
+        group.shutdown()
+    records = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == len(expected["records"]) == 2
+    timing = ("seconds", "tokens_per_s")
+    for got, want in zip(records, expected["records"], strict=True):
+        assert {k: v for k, v in got.items() if k not in timing} == {
+            k: v for k, v in want.items() if k not in timing
+        }
+    assert result["eval"] == expected["eval"]
+    assert any(r["reward_mean"] > 0 for r in records)
+    assert (tmp_path / "ray" / "checkpoints" / "global_step_2" / "meta.json").is_file()
 
 
 def test_a_dead_rank_is_an_error_not_a_hang(local_ray) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_engine_workers import checkpoint_run, verl_batch
+from rl_engine_workers import checkpoint_run, ppo_overrides, verl_batch
 
 from verl_mcore_utils.testing import DistributedRunError, run_distributed
 
@@ -39,14 +39,7 @@ def batches() -> list[dict]:
     return [verl_batch(seed=20 + s, prompt_lens=PROMPTS, response_lens=RESPONSES) for s in range(4)]
 
 
-def _overrides(world: int, extra: list[str]) -> list[str]:
-    return [
-        f"trainer.n_gpus_per_node={world}",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        f"critic.ppo_micro_batch_size_per_gpu={max(1, 8 // world // 2)}",
-        *extra,
-    ]
+_overrides = ppo_overrides
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])

@@ -25,6 +25,7 @@ from rl_engine_workers import (
     checkpoint_run,
     lora_surface,
     offload_round_trip,
+    ppo_overrides,
     transformers_log_probs,
     verl_batch,
 )
@@ -47,14 +48,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _overrides(world: int, extra: list[str]) -> list[str]:
-    return [
-        f"trainer.n_gpus_per_node={world}",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        f"critic.ppo_micro_batch_size_per_gpu={max(1, 8 // world // 2)}",
-        *LORA,
-        *extra,
-    ]
+    return ppo_overrides(world, [*LORA, *extra])
 
 
 def _base(model_dir: str) -> torch.nn.Module:

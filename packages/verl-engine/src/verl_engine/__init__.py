@@ -12,7 +12,8 @@ Public API:
 * RL loop pieces: the rollout contract :class:`RolloutEngine` (``update_weights`` / ``generate``,
   :class:`SamplingParams`) and its transformers implementation :class:`HFRollout`; GRPO advantages
   (:func:`grpo_outcome_advantage`) and verl's batch layout of a rollout (:func:`rollout_batch`); the GRPO loop of
-  ``verl-engine grpo`` on the embedded arithmetic task (:class:`GRPORun`, :func:`run_grpo`).
+  ``verl-engine grpo`` on the embedded arithmetic task (:class:`GRPORun`, :func:`run_grpo`), its engines in this
+  process (:class:`InProcessWorkers`, torchrun) or in a Ray worker group (:class:`RayWorkers`).
 * The SFT engine and loop of ``verl-engine train``: :class:`Engine` / :func:`build_engine`, :func:`train`,
   packed batches with static / dynamic CP (:class:`CPLayout`, :class:`PackedBatch`). The demo data of
   ``verl-engine train`` lives in :mod:`verl_engine.demo` (not part of the engine's API).
@@ -30,6 +31,8 @@ _LAZY: dict[str, str] = {
     "CPLayout": "verl_engine.packed",
     "Engine": "verl_engine.engine",
     "GRPORun": "verl_engine.grpo_run",
+    "InProcessWorkers": "verl_engine.grpo_run",
+    "RayWorkers": "verl_engine.grpo_run",
     "HFRollout": "verl_engine.rollout",
     "MicroBatching": "verl_engine.rl_engine",
     "PackedBatch": "verl_engine.packed",

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_mcore_utils.offload import inner_torch_optimizer, leaf_optimizers
+
 __all__ = ["LATEST_FILE", "CheckpointError", "load_checkpoint", "save_checkpoint", "step_dir"]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -153,10 +155,8 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _is_distributed_optimizer(optimizer: Any) -> bool:
-    from verl_mcore_utils.offload import leaf_optimizers
-
     return optimizer is not None and any(
-        type(leaf).__name__ == "DistributedOptimizer" for leaf in leaf_optimizers(optimizer)
+        type(leaf).__name__ == "DistributedOptimizer" for leaf in _leaves(optimizer)
     )
 
 
@@ -177,7 +177,7 @@ def _optimizer_state(engine: Any) -> Any:
         return optimizer.state_dict()
     return [
         {
-            "inner": _inner(leaf).state_dict(),
+            "inner": inner_torch_optimizer(leaf).state_dict(),
             "grad_scaler": None
             if getattr(leaf, "grad_scaler", None) is None
             else leaf.grad_scaler.state_dict(),
@@ -187,19 +187,7 @@ def _optimizer_state(engine: Any) -> Any:
 
 
 def _leaves(optimizer: Any) -> list[Any]:
-    from verl_mcore_utils.offload import leaf_optimizers
-
     return leaf_optimizers(optimizer)
-
-
-def _inner(leaf: Any) -> torch.optim.Optimizer:
-    inner = getattr(leaf, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise NotImplementedError(
-            f"{type(leaf).__name__} wraps a {type(inner).__name__}, not a torch optimizer; verl-engine checkpoints"
-            " the torch optimizer inside megatron-core's (optimizer_cpu_offload's hybrid optimizer is not supported)"
-        )
-    return inner
 
 
 def _load_optimizer_state(engine: Any, state: Any, *, file: Path) -> None:
@@ -214,7 +202,7 @@ def _load_optimizer_state(engine: Any, state: Any, *, file: Path) -> None:
             f" this engine's megatron optimizer has {len(leaves)} leaf optimizer(s)"
         )
     for leaf, saved in zip(leaves, state, strict=True):
-        inner = _inner(leaf)
+        inner = inner_torch_optimizer(leaf)
         if [len(g["params"]) for g in saved["inner"]["param_groups"]] != [
             len(g["params"]) for g in inner.param_groups
         ]:
@@ -483,6 +471,12 @@ def load_checkpoint(
         )
     saved, current = meta["layout"], _layout(engine)
     same = _model_layout(saved) == _model_layout(current)
+    if engine.megatron_fsdp and not (same and load_optimizer):
+        raise CheckpointError(
+            f"{directory}: a Megatron-FSDP engine resumes only at the saved layout, model and optimizer shards"
+            f" together (load_optimizer=True); to start from the model alone, build the engine with"
+            f" model.path={directory / 'hf'}"
+        )
     if not same:
         if load_optimizer:
             raise CheckpointError(
@@ -492,12 +486,6 @@ def load_checkpoint(
                 f" PP={current['pipeline_model_parallel_size']}, VPP={current['virtual_pipeline_model_parallel_size']}"
                 f" ({current['backend']}). Optimizer and RNG states are per rank and cannot change layout: load with"
                 " load_optimizer=False to restore the model only (from its Hugging Face copy)"
-            )
-        if engine.megatron_fsdp:
-            raise CheckpointError(
-                f"{directory}: a Megatron-FSDP engine resumes only at the saved layout with its optimizer"
-                f" (load_optimizer=True); to start from the model alone, build the engine with"
-                f" model.path={directory / 'hf'}"
             )
         sub = "lora_adapter" if meta.get("lora") else "hf"
         if not meta.get("has_adapter" if meta.get("lora") else "has_hf"):
@@ -536,12 +524,6 @@ def load_checkpoint(
     if engine.megatron_fsdp:
         from verl_mfsdp.local_state import load_megatron_fsdp_local_state
 
-        if not load_optimizer:
-            raise CheckpointError(
-                f"{directory}: a Megatron-FSDP engine restores its model and optimizer shards together"
-                f" (load_optimizer=True); to start from the model alone, build the engine with"
-                f" model.path={directory / 'hf'}"
-            )
         if "fsdp" not in skeleton:
             raise CheckpointError(f"{directory / name} holds no Megatron-FSDP state")
         try:

@@ -13,6 +13,7 @@ can be set with ``key=value`` (e.g. ``megatron.use_distributed_optimizer=false``
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="fraction of the warm-start demonstrator's answers that are off by one (default 0.7)",
     )
+    grpo.add_argument("--warmup-lr", type=float, help="warm-start learning rate (default 1e-3)")
     grpo.add_argument("--seed", type=int, default=0, help="run seed: model init, problems, sampling")
     grpo.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     grpo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -111,6 +113,7 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     optional = {
         "warmup_steps": args.warmup_steps,
         "warmup_error_rate": args.warmup_error_rate,
+        "warmup_lr": args.warmup_lr,
         "hidden_size": args.hidden_size,
         "layers": args.layers,
     }
@@ -140,6 +143,8 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     finally:
         if group is not None:
             group.shutdown()
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank ran the loop; rank 0 reports
+        return 0
     for step, accuracy in sorted(result["eval"].items()):
         print(f"held-out accuracy after step {step}: {accuracy:.3f}")
     print(f"metrics: {Path(args.out) / 'metrics.jsonl'}")
@@ -150,8 +155,6 @@ def run_grpo_command(args: argparse.Namespace) -> int:
 
 def _ray_group(overrides: list[str], *, device: str) -> object:
     """A RayWorkerGroup of trainer.nnodes x trainer.n_gpus_per_node ranks (a local Ray if none is running)."""
-    import os
-
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
         import ray

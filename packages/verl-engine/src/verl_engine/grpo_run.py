@@ -46,7 +46,17 @@ from verl_engine.demo import CharTokenizer
 from verl_engine.grpo import grpo_outcome_advantage, rollout_batch
 from verl_engine.rollout import HFRollout, RolloutEngine, SamplingParams
 
-__all__ = ["ArithmeticTask", "GRPORun", "HFTokens", "run_grpo", "tiny_arithmetic_hf_config"]
+__all__ = [
+    "ArithmeticTask",
+    "GRPORun",
+    "HFTokens",
+    "InProcessWorkers",
+    "RayWorkers",
+    "Tokens",
+    "Workers",
+    "run_grpo",
+    "tiny_arithmetic_hf_config",
+]
 
 
 class Tokens(Protocol):
@@ -408,7 +418,8 @@ def _is_rank0() -> bool:
 def _response_slice(full: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Per-response-token values [B, R] from the engine's input-layout output [B, P + R]."""
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    return full[:, p - 1 : p - 1 + r] * batch["response_mask"]
+    mask = batch["response_mask"]  # the loop's tensors live on the host; the engine's outputs may not
+    return full[:, p - 1 : p - 1 + r].to(mask.device) * mask
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -418,6 +429,28 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 def _model_path(overrides: Sequence[str]) -> str | None:
     found = [o.split("=", 1)[1] for o in overrides if o.startswith("actor_rollout_ref.model.path=")]
     return found[-1] if found else None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokens_of(path: str, hf: Mapping[str, Any]) -> Tokens:
+    """The tokenizer of a model directory; a directory without one (the ``sft/`` of an embedded run) must have
+    the embedded character vocabulary's size, and then uses it."""
+    if any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return HFTokens(AutoTokenizer.from_pretrained(path))
+    chars = CharTokenizer()
+    if int(hf.get("vocab_size", -1)) != chars.vocab_size:
+        from verl_config import ConfigError
+
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path} has no tokenizer ({', '.join(_TOKENIZER_FILES)}) and its"
+            f" vocab_size {hf.get('vocab_size')} is not the embedded character vocabulary's ({chars.vocab_size}):"
+            " add the model's tokenizer files to the directory"
+        )
+    return chars
 
 
 def run_grpo(
@@ -445,10 +478,8 @@ def run_grpo(
     if run.resume and not resuming:
         raise FileNotFoundError(f"resume=True but {ckpt_root} has no checkpoint to resume from")
     if user_path is not None:
-        from transformers import AutoTokenizer
-
         hf = load_hf_config(user_path)
-        tokens: Tokens = HFTokens(AutoTokenizer.from_pretrained(user_path))
+        tokens: Tokens = _tokens_of(user_path, hf)
     else:
         tokens = CharTokenizer()
         hf = tiny_arithmetic_hf_config(
@@ -465,7 +496,7 @@ def run_grpo(
     if user_path is None and run.warmup_steps == 0 and not (resuming and (sft_dir / "config.json").is_file()):
         raise ConfigError(
             "warmup_steps=0 needs a model: give actor_rollout_ref.model.path=<Hugging Face directory>"
-            " (e.g. the sft/ directory of an earlier run)"
+            " (e.g. the sft/ directory of an earlier run, which holds its tokenizer or uses the embedded one)"
         )
     if workers is None:
         _init_process_group(run.device)
@@ -481,6 +512,8 @@ def run_grpo(
         workers.build("actor", warm, hf_config=None if user_path else hf)
         _warm_start(workers, task, run=run)
         workers.call("actor", "save_hf", str(sft_dir))
+        if isinstance(tokens, HFTokens) and _is_rank0():  # sft/ is a complete model directory
+            tokens.tokenizer.save_pretrained(str(sft_dir))
         workers.drop("actor")
         start_path = str(sft_dir)
     model_overrides = [*overrides, f"actor_rollout_ref.model.path={start_path}"]
@@ -491,14 +524,17 @@ def run_grpo(
     if use_ref:
         workers.build("ref", model_overrides)
     if rollout is None:
+        # the rollout's dtype is actor_rollout_ref.rollout.dtype on GPU; on CPU (the debug mode) float32
+        dtype = getattr(torch, str(arr.rollout.dtype)) if device.type == "cuda" else torch.float32
         rollout = HFRollout(
-            hf_config=hf, eos_token_id=tokens.eos_id, pad_token_id=tokens.pad_id, device=device
+            hf_config=hf, eos_token_id=tokens.eos_id, pad_token_id=tokens.pad_id, device=device, dtype=dtype
         )
     start = 0
     if resuming:
         start = int(workers.call("actor", "load_checkpoint", str(ckpt_root))["global_step"])
     metrics_file = out / "metrics.jsonl"
     if _is_rank0():
+        out.mkdir(parents=True, exist_ok=True)
         kept = []
         if resuming and metrics_file.is_file():  # drop steps after the checkpoint: they are run again
             kept = [
@@ -551,9 +587,13 @@ def run_grpo(
         metrics: dict[str, Any] = {}
         with phase("old_log_prob"):
             colo.actor_to(params=True, grads=False, optimizer=False)
-            old = _response_slice(
-                workers.call("actor", "infer_batch", batch)["model_output"]["log_probs"].float(), batch
-            )
+            # verl reports the policy's entropy from this pass (calculate_entropy), not from the update
+            entropy_on = bool(arr.actor.calculate_entropy)
+            actor_out = workers.call("actor", "infer_batch", {**batch, "calculate_entropy": entropy_on})
+            old = _response_slice(actor_out["model_output"]["log_probs"].float(), batch)
+            if entropy_on:
+                entropy = _response_slice(actor_out["model_output"]["entropy"].float(), batch)
+                metrics["entropy"] = _masked_mean(entropy, mask)
         if use_ref:
             with phase("ref_log_prob"):
                 colo.ref_offload(on_device=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,26 +355,31 @@ class RLEngine:
         gathered. A collective: every rank iterates to the end, in step (each gets every bucket). MTP layers
         are not included (the supported architectures have no Hugging Face names for them).
         """
-        from verl_mcore_utils.weights import bucket_tensors, export_hf_weights
+        from verl_mcore_utils.weights import bucket_tensors
 
         self._check_exportable()
         mode = self._lora_mode(lora_mode)
+        pairs = self._hf_weight_pairs(mode)
+        # verl-mfsdp's gathered tensors are fresh copies: the bucket takes them as they are
+        yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes, owned=self.megatron_fsdp and mode is None)
+
+    def _hf_weight_pairs(self, mode: str | None) -> Iterable[tuple[str, torch.Tensor]]:
+        """The one place that picks the weight source: (HF name, tensor) pairs of ``mode`` (None: no LoRA)."""
         if mode == "adapter":
             from verl_mcore_utils.lora import export_hf_adapter
 
-            pairs: Any = export_hf_adapter(self.chunks, hf_config=self.hf_config).items()
-        elif mode == "merged":
+            return export_hf_adapter(self.chunks, hf_config=self.hf_config).items()
+        if mode == "merged":
             from verl_mcore_utils.lora import export_merged_hf_weights
 
-            pairs = export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
-        elif self.megatron_fsdp:
+            return export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
+        if self.megatron_fsdp:
             from verl_mfsdp.export import export_megatron_fsdp_hf_weights
 
-            pairs = export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
-        else:
-            pairs = export_hf_weights(self.chunks, hf_config=self.hf_config)
-        # verl-mfsdp's gathered tensors are fresh copies: the bucket takes them as they are
-        yield from bucket_tensors(pairs, bucket_bytes=bucket_bytes, owned=self.megatron_fsdp and mode is None)
+            return export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
+        from verl_mcore_utils.weights import export_hf_weights
+
+        return export_hf_weights(self.chunks, hf_config=self.hf_config)
 
     def get_per_tensor_param(
         self, *, bucket_bytes: int = 1 << 29, lora_mode: str | None = None
@@ -421,15 +426,9 @@ class RLEngine:
                 lora=self.lora,
                 base_model_name_or_path=self._tokenizer_path,
             )
-        weights = None
-        if self.lora is not None:
-            from verl_mcore_utils.lora import export_merged_hf_weights
-
-            weights = export_merged_hf_weights(self.chunks, hf_config=self.hf_config)
-        elif self.megatron_fsdp:
-            from verl_mfsdp.export import export_megatron_fsdp_hf_weights
-
-            weights = export_megatron_fsdp_hf_weights(self.chunks, hf_config=self.hf_config)
+        # megatron's own export path when it applies (save_hf_weights streams it); else the merged / FSDP pairs
+        plain = self.lora is None and not self.megatron_fsdp
+        weights = None if plain else self._hf_weight_pairs("merged" if self.lora is not None else None)
         return save_hf_weights(self.chunks, path, hf_config=self.hf_config, weights=weights)
 
     def _check_exportable(self) -> None:

@@ -66,6 +66,7 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "get_offload_state",
+    "inner_torch_optimizer",
     "is_offloaded",
     "leaf_optimizers",
     "master_params",
@@ -629,6 +630,23 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
+def inner_torch_optimizer(leaf: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a leaf of :func:`leaf_optimizers` holds its state in (the leaf itself if it is one).
+
+    Public because offload, verl_engine's checkpoints and verl_mfsdp's local state all read that state.
+    A leaf wrapping something else (optimizer_cpu_offload's hybrid optimizer) is a TypeError naming it.
+    """
+    if isinstance(leaf, torch.optim.Optimizer):
+        return leaf
+    inner = getattr(leaf, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"{type(leaf).__name__} wraps a {type(inner).__name__}, not a torch optimizer: its state cannot be"
+            " offloaded or checkpointed here (megatron-core's optimizer_cpu_offload hybrid optimizer is not supported)"
+        )
+    return inner
+
+
 def master_params(optimizer: Any) -> list[torch.Tensor]:
     """The fp32 master copies of megatron-core's mixed-precision optimizers, in a fixed order (none for torch's).
 
@@ -646,12 +664,7 @@ def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     """Master copies (megatron mixed precision) and every tensor in the inner optimizer's state."""
     tensors = master_params(optimizer)
     for leaf in leaf_optimizers(optimizer):
-        inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise TypeError(
-                f"{type(leaf).__name__} is neither a torch optimizer nor a megatron optimizer wrapping one"
-            )
-        for per_param in inner.state.values():
+        for per_param in inner_torch_optimizer(leaf).state.values():
             tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
     return tensors
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.compat import import_megatron_core
-from verl_mcore_utils.offload import leaf_optimizers
+from verl_mcore_utils.offload import inner_torch_optimizer, leaf_optimizers
 from verl_mfsdp.offload import megatron_fsdp_chunks
 from verl_mfsdp.wrap import restart_megatron_fsdp_param_sync, synchronize_megatron_fsdp_params
 
@@ -28,10 +28,6 @@ __all__ = ["load_megatron_fsdp_local_state", "megatron_fsdp_local_state"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
-
-
-def _inner(leaf: Any) -> torch.optim.Optimizer:
-    return leaf if isinstance(leaf, torch.optim.Optimizer) else leaf.optimizer
 
 
 def _main_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
@@ -51,7 +47,7 @@ def _ensure_optimizer_state(chunks: Sequence[torch.nn.Module], leaves: Sequence[
     for chunk in chunks:
         model_sd.update(chunk.state_dict())
     for leaf in leaves:
-        if not _inner(leaf).state:
+        if not inner_torch_optimizer(leaf).state:
             leaf.sharded_state_dict(model_sd, is_loading=True, metadata=dict(_SHARDING))
         _complete_optimizer_state(leaf)
 
@@ -68,7 +64,7 @@ def megatron_fsdp_local_state(
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in _main_weights(chunks).items()}
     described: list[dict[str, Any]] = []
     for j, leaf in enumerate(leaves):
-        inner = _inner(leaf)
+        inner = inner_torch_optimizer(leaf)
         params = [p for group in inner.param_groups for p in group["params"]]
         scalars: list[dict[str, Any]] = []
         for k, param in enumerate(params):
@@ -106,7 +102,7 @@ def load_megatron_fsdp_local_state(
         )
     targets: dict[str, torch.Tensor] = dict(_main_weights(chunks))
     for j, (leaf, saved) in enumerate(zip(leaves, description["optimizers"], strict=True)):
-        inner = _inner(leaf)
+        inner = inner_torch_optimizer(leaf)
         params = [p for group in inner.param_groups for p in group["params"]]
         if len(params) != saved["num_params"] or len(inner.param_groups) != len(saved["param_groups"]):
             raise ValueError(f"{source}: optimizer {j}'s parameters do not match this model's")
