@@ -180,9 +180,28 @@ def test_grpo_command_line(capsys, tmp_path: Path) -> None:
         main(["grpo", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    flags = ("--out", "--steps", "--warmup-steps", "--resume", "--offload", "--ray", "--no-plot", "key=value")
+    flags = (
+        "--out",
+        "--steps",
+        "--warmup-steps",
+        "--init-from",
+        "--resume",
+        "--offload",
+        "--ray",
+        "--no-plot",
+    )
     assert all(flag in text for flag in flags)
     assert main(["grpo", "--out", "/nonexistent/run", "--resume"]) == 2  # nothing to resume: a clear error
     assert "no checkpoint to resume from" in capsys.readouterr().err
     assert main(["grpo", "--out", str(tmp_path), "--warmup-steps", "0", "--no-plot"]) == 2
     assert "actor_rollout_ref.model.path" in capsys.readouterr().err
+    # --init-from a directory without a tokenizer whose vocabulary is not the embedded one: named, before any work
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(
+        '{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1000}'
+    )
+    assert (
+        main(["grpo", "--out", str(tmp_path / "run"), "--init-from", str(tmp_path / "other"), "--no-plot"])
+        == 2
+    )
+    assert "has no tokenizer" in capsys.readouterr().err

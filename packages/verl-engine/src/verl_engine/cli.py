@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="fraction of the warm-start demonstrator's answers that are off by one (default 0.7)",
     )
+    grpo.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from this Hugging Face directory (e.g. an earlier run's sft/) instead of a warm start:"
+        " actor_rollout_ref.model.path=DIR, --warmup-steps 0 unless given",
+    )
     grpo.add_argument("--warmup-lr", type=float, help="warm-start learning rate (default 1e-3)")
     grpo.add_argument("--seed", type=int, default=0, help="run seed: model init, problems, sampling")
     grpo.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -108,6 +114,10 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     from verl_engine.grpo_run import GRPORun, RayWorkers, run_grpo
 
     overrides = [*(_OFFLOAD_KEYS if args.offload else ()), *args.overrides]
+    if args.init_from is not None:
+        overrides.append(f"actor_rollout_ref.model.path={args.init_from}")
+        if args.warmup_steps is None:
+            args.warmup_steps = 0
     if args.steps is not None:
         overrides.append(f"trainer.total_training_steps={args.steps}")
     optional = {
