@@ -68,3 +68,20 @@ def test_sibling_dependencies_are_versioned_and_one_way(dist: str) -> None:
 def test_verl_config_has_no_torch_dependency() -> None:
     requires = importlib.metadata.requires("verl-config") or []
     assert not [r for r in requires if r.lower().startswith(("torch", "megatron"))], requires
+
+
+def test_mcore_utils_public_names_are_listed_once_each_way() -> None:
+    """verl_mcore_utils' lazy table, its TYPE_CHECKING imports and __all__ name the same API."""
+    import ast
+
+    import verl_mcore_utils
+
+    source = Path(verl_mcore_utils.__file__).read_text()
+    typed: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for stmt in node.body:
+                typed.update(alias.asname or alias.name for alias in getattr(stmt, "names", []))
+    eager = {"ddp_config_fields", "import_megatron_core", "mcore_version", "prepare_megatron_import"}
+    assert typed == set(verl_mcore_utils._LAZY)
+    assert sorted(verl_mcore_utils.__all__) == sorted(eager | set(verl_mcore_utils._LAZY))

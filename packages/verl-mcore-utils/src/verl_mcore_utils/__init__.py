@@ -10,6 +10,8 @@ Public API:
   :func:`get_model_config`, :func:`attach_training_hooks`.
 * Weights: :func:`load_hf_weights`, :func:`export_hf_weights`, :func:`save_hf_weights` (TP/PP aware).
 * Offload: :func:`offload_megatron_model` / :func:`onload_megatron_model` and the optimizer pair.
+* Optimizer: :func:`use_fused_torch_adam` (torch's fused Adam kernel where megatron-core fell back to torch's
+  Adam; :func:`compat.make_megatron_optimizer` applies it).
 * No Transformer Engine needed: :class:`SDPACoreAttention`, portable RoPE, local layer spec.
 * Optional extras (import the submodule): ``verl_mcore_utils.bridges`` (``[mbridge]``) and
   ``verl_mcore_utils.lora`` (``[peft]``: LoRA pre-wrap hook, Hugging Face PEFT adapters).
@@ -34,6 +36,7 @@ prepare_megatron_import()
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from verl_mcore_utils.attention import SDPACoreAttention
     from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+    from verl_mcore_utils.fused_adam import use_fused_torch_adam
     from verl_mcore_utils.model import build_gpt_model, local_layer_spec
     from verl_mcore_utils.module import (
         GPTModelProvider,
@@ -79,6 +82,7 @@ _LAZY: dict[str, str] = {
     "build_mtp_block": "verl_mcore_utils.mtp",
     "destroy_parallel": "verl_mcore_utils.parallel",
     "export_hf_weights": "verl_mcore_utils.weights",
+    "use_fused_torch_adam": "verl_mcore_utils.fused_adam",
     "get_model_config": "verl_mcore_utils.module",
     "hf_to_transformer_config": "verl_mcore_utils.transformer_config",
     "init_parallel": "verl_mcore_utils.parallel",
@@ -110,6 +114,7 @@ def __getattr__(name: str) -> Any:
 
 __version__ = "0.1.0.dev0"
 
+# Written out for linters and IDEs; tests/test_packaging.py checks it is exactly the eager helpers + _LAZY.
 __all__ = [
     "PRESETS",
     "GPTModelProvider",
@@ -143,8 +148,10 @@ __all__ = [
     "offload_megatron_optimizer",
     "onload_megatron_model",
     "onload_megatron_optimizer",
+    "prepare_megatron_import",
     "qwen2_preset",
     "run_distributed",
     "save_hf_weights",
     "unwrap_model",
+    "use_fused_torch_adam",
 ]

@@ -157,13 +157,16 @@ def make_packed_seq_params(**fields: Any) -> Any:
 
 
 def make_megatron_optimizer(
-    config: Any, model_chunks: list[Any], *, use_gloo_process_groups: bool = True
+    config: Any, model_chunks: list[Any], *, use_gloo_process_groups: bool = True, fused_adam: bool = True
 ) -> Any:
     """get_megatron_optimizer with the arguments every release accepts.
 
     0.14-0.15 take ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult``; 0.16+ replaced them with
     ``config_overrides``. The defaults (no weight decay on biases and 1-D parameters) are the same, so
     the common call passes only the config, the chunks and the gloo switch.
+
+    ``fused_adam``: where megatron-core fell back to torch's Adam (no Transformer Engine, no Apex) over CUDA
+    tensors, use torch's fused kernel (:func:`verl_mcore_utils.fused_adam.use_fused_torch_adam`).
     """
     import inspect
 
@@ -173,7 +176,12 @@ def make_megatron_optimizer(
     kwargs: dict[str, Any] = {}
     if "use_gloo_process_groups" in inspect.signature(get_megatron_optimizer).parameters:
         kwargs["use_gloo_process_groups"] = use_gloo_process_groups
-    return get_megatron_optimizer(config, model_chunks, **kwargs)
+    optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
+    if fused_adam:
+        from verl_mcore_utils.fused_adam import use_fused_torch_adam
+
+        use_fused_torch_adam(optimizer)
+    return optimizer
 
 
 def fsdp_synchronize_param_gather(chunk: Any) -> None:
