@@ -138,12 +138,12 @@ def run_grpo_command(args: argparse.Namespace) -> int:
         **{k: v for k, v in optional.items() if v is not None},
     )
     if run.plot:
+        from verl_engine.grpo_plot import require_matplotlib
+
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "the plot needs matplotlib: pip install 'verl-engine[grpo]', or pass --no-plot"
-            ) from None
+            require_matplotlib()
+        except ImportError as err:
+            raise ConfigError(str(err)) from None
     workers, group = None, None
     if args.ray:
         group = _ray_group(overrides, device=args.device)

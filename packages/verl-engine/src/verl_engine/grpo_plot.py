@@ -10,20 +10,27 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["plot_grpo_metrics", "plot_grpo_seeds"]
+__all__ = ["plot_grpo_metrics", "plot_grpo_seeds", "require_matplotlib"]
 
 
 def _records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def _figure():  # type: ignore[no-untyped-def]
+def require_matplotlib() -> None:
+    """Fail now, with the install line, when matplotlib is missing (callers check before a long run)."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError(
             "the GRPO plot needs matplotlib: pip install 'verl-engine[grpo]' (or pass --no-plot)"
         ) from None
+
+
+def _figure():  # type: ignore[no-untyped-def]
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

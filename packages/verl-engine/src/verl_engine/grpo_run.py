@@ -544,6 +544,7 @@ def run_grpo(
     n, prompts_per_step = int(arr.rollout.n), int(cfg.data.train_batch_size)
     mini = int(arr.actor.ppo_mini_batch_size)
     total = int(cfg.trainer.total_training_steps)
+    test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
     params = SamplingParams(
         max_new_tokens=int(cfg.data.max_response_length),
         n=n,
@@ -567,10 +568,7 @@ def run_grpo(
         phase = _Phases(device)
         t0 = time.perf_counter()
         with phase("sync"):
-            colo.actor_to(params=True, grads=False, optimizer=False)
-            colo.rollout_awake(True)
-            rollout.update_weights(workers.export_weights("actor"))
-            colo.actor_to(params=False, grads=False, optimizer=False)
+            _sync_weights(workers, rollout, colo)
         with phase("generate"):
             problems = task.train_problems(step=step, count=prompts_per_step)
             prompts = [task.prompt_ids(p) for p, _ in problems]
@@ -623,6 +621,7 @@ def run_grpo(
             lr = workers.call("actor", "lr_scheduler_step")
             colo.actor_to(params=False, grads=False, optimizer=False)
         tokens_in_batch = int(batch["attention_mask"].sum())
+        elapsed = time.perf_counter() - t0
         metrics.update(
             step=step + 1,
             reward_mean=float(scores.mean()),
@@ -630,14 +629,13 @@ def run_grpo(
             response_length=float(mask.sum(-1).mean()),
             advantage_group_mean_abs_max=_group_mean_abs_max(advantage, group),
             lr=lr,
-            seconds={**phase.seconds, "step": time.perf_counter() - t0},
-            tokens_per_s=tokens_in_batch / (time.perf_counter() - t0),
+            seconds={**phase.seconds, "step": elapsed},
+            tokens_per_s=tokens_in_batch / elapsed,
             memory_gib=phase.memory_gib or None,
             peak_memory_gib=max((m["peak"] for m in phase.memory_gib.values()), default=None),
             offload=colo.enabled,
             **{k: sum(v) / len(v) for k, v in train_metrics.items()},
         )
-        test_freq, save_freq = int(cfg.trainer.test_freq), int(cfg.trainer.save_freq)
         if test_freq > 0 and ((step + 1) % test_freq == 0 or step + 1 == total):
             metrics["eval_accuracy"] = history["eval"][step + 1] = _evaluate(
                 workers, rollout, task, params, colo
@@ -718,14 +716,20 @@ def _warm_start(workers: Workers, task: ArithmeticTask, *, run: GRPORun) -> None
         workers.call("actor", "train_batch", batch, loss="sft")
 
 
-def _evaluate(
-    workers: Workers, rollout: RolloutEngine, task: ArithmeticTask, params: SamplingParams, colo: _Colocation
-) -> float:
-    """Greedy exact-match accuracy on the held-out prompts (weights synced first)."""
+def _sync_weights(workers: Workers, rollout: RolloutEngine, colo: _Colocation) -> None:
+    """The actor's weights into the rollout engine (its parameters on the device only for the export; the
+    rollout awake from here until the caller's generation is done)."""
     colo.actor_to(params=True, grads=False, optimizer=False)
     colo.rollout_awake(True)
     rollout.update_weights(workers.export_weights("actor"))
     colo.actor_to(params=False, grads=False, optimizer=False)
+
+
+def _evaluate(
+    workers: Workers, rollout: RolloutEngine, task: ArithmeticTask, params: SamplingParams, colo: _Colocation
+) -> float:
+    """Greedy exact-match accuracy on the held-out prompts (weights synced first)."""
+    _sync_weights(workers, rollout, colo)
     prompts = [task.prompt_ids(p) for p, _ in task.eval_set]
     greedy = SamplingParams(max_new_tokens=params.max_new_tokens, n=1, temperature=0.0)
     responses = rollout.generate(prompts, greedy)
