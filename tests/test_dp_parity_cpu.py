@@ -50,3 +50,20 @@ def test_gradients_are_not_trivially_equal(single_process: dict) -> None:
     )
     name = next(iter(single_process["grads"]))
     assert not torch.allclose(half["grads"][name], single_process["grads"][name], rtol=1e-3)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_fused_lm_head_matches_megatrons_cross_entropy(single_process: dict, world: int) -> None:
+    """model.use_fused_kernels: the same loss and gradients (LM head included) as megatron-core's output
+    layer + cross-entropy, on one process and on two DP ranks."""
+    results = run_distributed(
+        engine_step,
+        world_size=world,
+        args=("cpu", [*COMMON, "data.micro_batch_size_per_gpu=2", "model.use_fused_kernels=true"]),
+    )
+    ref = single_process
+    for out in results:
+        assert abs(out["loss"] - ref["loss"]) <= TOL * abs(ref["loss"]), (out["loss"], ref["loss"])
+        assert out["grads"].keys() == ref["grads"].keys() and "output_layer.weight" in ref["grads"]
+        for name, g in out["grads"].items():
+            assert max_rel_err(g, ref["grads"][name]) <= TOL, name

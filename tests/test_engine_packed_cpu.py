@@ -28,6 +28,7 @@ MIXED = (37, 1, 64, 5, 100, 16, 23)
 BATCHES = [(MIXED, 11, True), ((20,) * 6, 12, False), ((90,), 13, False)]
 DYN = ["megatron.dynamic_context_parallel=true"]
 TP2 = ["megatron.tensor_model_parallel_size=2", "megatron.sequence_parallel=false"]
+FUSED = ["model.use_fused_kernels=true"]  # loss from the hidden states, LM head inside the chunk loop
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ LAYOUTS = {
     2: [
         (["megatron.context_parallel_size=2"], 64, None),
         ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=64"], None, [[(2,), (1,)], [(1,)], [(2,)]]),
+        ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=64", *FUSED], None, [[(2,), (1,)], [(1,)], [(2,)]]),
     ],
     4: [
         (["megatron.context_parallel_size=4"], 64, None),
@@ -82,6 +84,11 @@ LAYOUTS = {
     "tp2": [
         (
             [*DYN, "megatron.max_seqlen_per_dp_cp_rank=64", *TP2],
+            None,
+            [[(2,), (1,)], [(1,)], [(2,)]],
+        ),
+        (
+            [*DYN, "megatron.max_seqlen_per_dp_cp_rank=64", *TP2, *FUSED],
             None,
             [[(2,), (1,)], [(1,)], [(2,)]],
         ),

@@ -21,6 +21,7 @@ from verl_mcore_utils.testing import run_distributed
 A = "actor_rollout_ref.actor"
 AM = f"{A}.megatron"
 SMALL_DATA = ["data.max_prompt_length=8", "data.max_response_length=8"]
+FUSED = ["actor_rollout_ref.model.use_fused_kernels=true"]  # the LM head inside the chunked log-prob loss
 PROMPTS, RESPONSES = [3, 6, 1, 5, 2], [7, 2, 5, 4, 6]
 
 
@@ -68,6 +69,8 @@ def test_log_probs_and_entropy_match_transformers_on_one_rank(model_dir: str) ->
     layouts = {
         "packed": [],
         "padded": [f"{AM}.use_remove_padding=false"],
+        "packed_fused": FUSED,
+        "padded_fused": [f"{AM}.use_remove_padding=false", *FUSED],
         "dynamic_bsz": [*SMALL_DATA, f"{A}.use_dynamic_bsz=true", f"{A}.ppo_max_token_len_per_gpu=16"],
         "micro_batch_1": [f"{A}.ppo_micro_batch_size_per_gpu=1", "data.train_batch_size=4"],
     }
@@ -85,8 +88,14 @@ def test_log_probs_and_entropy_match_transformers_on_two_ranks(model_dir: str) -
     layouts = {
         "dp2": [],
         "tp2": [f"{AM}.tensor_model_parallel_size=2", f"{AM}.sequence_parallel=false"],
+        "tp2_fused": [f"{AM}.tensor_model_parallel_size=2", f"{AM}.sequence_parallel=false", *FUSED],
         "cp2": [f"{AM}.context_parallel_size=2"],
         "dynamic_cp": [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=8"],
+        "dynamic_cp_fused": [
+            f"{AM}.dynamic_context_parallel=true",
+            f"{AM}.max_seqlen_per_dp_cp_rank=8",
+            *FUSED,
+        ],
         "dynamic_bsz_dp2": [*SMALL_DATA, f"{A}.use_dynamic_bsz=true", f"{A}.ppo_max_token_len_per_gpu=16"],
     }
     per_rank = run_distributed(
@@ -205,6 +214,34 @@ def test_one_ppo_step_is_independent_of_micro_batching_dp_and_cp(model_dir: str)
     for mb in MICRO:
         assert (
             abs(one[f"vanilla/{mb}"]["metrics"]["pg_loss"] - one["vanilla/mb2"]["metrics"]["pg_loss"]) < 1e-6
+        )
+
+
+def test_the_fused_lm_head_gives_the_same_ppo_step(model_dir: str) -> None:
+    """use_fused_kernels: the loss, every gradient (LM head and decoder) and the updated weights equal the
+    unfused step's (fp32, 1e-5), with an entropy term so both outputs' gradients flow; one rank and DP 2."""
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    entropy_kl = LOSSES["gspo_kl_entropy"]
+    one = _run_steps(1, model_dir, batch, {"plain": entropy_kl, "fused": [*entropy_kl, *FUSED]})[0]
+    assert one[0]["grads"]["output_layer.weight"].abs().max() > 0
+    _same_step(one[1], one[0], "fused, one rank")
+    for rank_results in _run_steps(2, model_dir, batch, {"fused_dp2": [*entropy_kl, *FUSED]}):
+        _same_step(rank_results[0], one[0], "fused, dp2")
+
+
+def test_fused_kernels_with_an_unknown_backend_is_refused(model_dir: str) -> None:
+    from rl_engine_workers import infer_layouts
+
+    bad = [
+        "trainer.n_gpus_per_node=1",
+        *FUSED,
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+    ]
+    with pytest.raises(Exception, match="impl_backend='triton'.*impl_backend=torch"):
+        run_distributed(
+            infer_layouts,
+            world_size=1,
+            args=(model_dir, [bad], verl_batch(seed=0, prompt_lens=[2], response_lens=[2])),
         )
 
 

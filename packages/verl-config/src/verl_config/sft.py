@@ -34,12 +34,15 @@ class SFTModelConfig:
 
     ``preset`` names a locally built Qwen2-architecture config (no download); ``path`` would point at
     a Hugging Face checkpoint directory instead. ``override_config`` is merged into the Hugging Face
-    config before the megatron-core model is made (e.g. ``num_hidden_layers``).
+    config before the megatron-core model is made (e.g. ``num_hidden_layers``). ``use_fused_kernels``
+    (verl's key) computes the loss from the last hidden states chunk by chunk, so the ``[tokens, vocab]``
+    logits are never built (verl_engine.fused_head).
     """
 
     preset: str = "small"
     path: str | None = None
     override_config: dict[str, Any] = field(default_factory=dict)
+    use_fused_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.path is None:

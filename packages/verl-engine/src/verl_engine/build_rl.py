@@ -68,6 +68,7 @@ def build_rl_engine(
     total_training_steps: int | None = None,
     mtp: Any | None = None,
     lora: Any | None = None,
+    fused_lm_head: bool = False,
 ) -> RLEngine:
     """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
 
@@ -78,7 +79,9 @@ def build_rl_engine(
     (``actor_rollout_ref.model.mtp``) or None. ``lora`` is verl-config's ``LoraConfig`` (the model section's
     ``lora`` block): with ``rank > 0`` peft LoRA adapters are inserted before DDP (verl-mcore-utils'
     pre-wrap hook), only they (and a critic's value head) train, and the base weights come from
-    ``model_path``; ``lora.adapter_path`` loads a PEFT adapter directory.
+    ``model_path``; ``lora.adapter_path`` loads a PEFT adapter directory. ``fused_lm_head``
+    (``model.use_fused_kernels``) computes log-probs / entropy from the last hidden states with the LM
+    head inside the chunk loop (verl_engine.fused_head); a value model has no LM head and ignores it.
     """
     from megatron.core import parallel_state
 
@@ -234,6 +237,7 @@ def build_rl_engine(
         micro_batching=micro_batching,
         value_model=value_model,
         use_remove_padding=engine.use_remove_padding,
+        fused_lm_head=fused_lm_head,
         lr_schedule=lr_schedule,
         tokenizer_path=model_path,
         pipeline=PipelineLayout.from_parallel_state(),
@@ -325,6 +329,7 @@ def rl_engine_from_config(
         total_training_steps=steps,
         # the reference policy is the base model (verl's LoRA ref = the actor with its adapter disabled)
         lora=None if role == "ref" else model.lora,
+        fused_lm_head=_fused_lm_head(model),
     )
 
 
@@ -381,3 +386,17 @@ def _sum_mtp_embedding_grads_in_finalize(chunks: list[torch.nn.Module]) -> None:
         return out
 
     config.finalize_model_grads_func = finalize_with_mtp_embedding
+
+
+def _fused_lm_head(model: Any) -> bool:
+    """``model.use_fused_kernels`` with the one implementation we have (``impl_backend=torch``)."""
+    if not getattr(model, "use_fused_kernels", False):
+        return False
+    impl = (getattr(model, "fused_kernel_options", None) or {}).get("impl_backend", "torch")
+    if impl != "torch":
+        raise ValueError(
+            f"actor_rollout_ref.model.fused_kernel_options.impl_backend={impl!r}: verl-engine's fused LM head is"
+            " the chunked torch implementation (verl_engine.fused_head); set impl_backend=torch, or"
+            " use_fused_kernels=false"
+        )
+    return True

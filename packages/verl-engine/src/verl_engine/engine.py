@@ -96,6 +96,7 @@ class Engine:
         cp_layout: CPLayout | None = None,
         cp_groups: Any = None,
         cp_workload: WorkloadModel | None = None,
+        fused_lm_head: bool = False,
     ) -> None:
         self.model = model
         # what the backends read from any engine (verl_engine.backends): one chunk, no pipeline stages, no MTP
@@ -111,6 +112,9 @@ class Engine:
         # verl_dyncp.WorkloadModel the planner balances (attention L^2 + dense layers ~ 12 h L per
         # sequence); None = attention only, which piles short sequences onto one rank.
         self.cp_workload = cp_workload
+        # model.use_fused_kernels: the LM head's matmul inside the chunked loss (verl_engine.fused_head), so
+        # [tokens, vocab] logits never exist; else megatron-core's output layer and cross-entropy.
+        self.fused_lm_head = fused_lm_head
 
     @property
     def debug(self) -> bool:
@@ -286,9 +290,12 @@ class Engine:
         return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
 
     def _padded_forward(self, model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        # With labels, GPTModel returns the per-token cross entropy [b, s] (vocab-parallel under TP).
-        out = model(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels
+        out = self._token_losses(
+            model,
+            labels=mb.labels,
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            attention_mask=None,
         )
         return out, mb.loss_mask
 
@@ -298,15 +305,36 @@ class Engine:
         _, mb, params = item
         b = mb.batch
         # Positions come from the THD layout inside the attention (RoPE of the no-CP run); labels of
-        # padding / last tokens are clamped to a valid id and masked out of the loss.
-        out = model(
+        # padding / last tokens are masked out of the loss (megatron's cross-entropy needs them clamped
+        # to a valid id, the fused head ignores them).
+        out = self._token_losses(
+            model,
+            labels=b.labels[None],
             input_ids=b.input_ids[None],
             position_ids=None,
             attention_mask=None,
-            labels=b.labels.clamp(min=0)[None],
             packed_seq_params=params,
         )
         return out, b.loss_mask[None]
+
+    def _token_losses(self, model: torch.nn.Module, *, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """Per-token cross-entropy ``[b, s]``: megatron-core's (vocab-parallel under TP) or the fused head's."""
+        if not self.fused_lm_head:
+            return model(**inputs, labels=labels.clamp(min=0))
+        from verl_engine.fused_head import fused_lm_head_log_probs, lm_head_returns_hidden
+        from verl_mcore_utils.module import unwrap_model
+
+        with lm_head_returns_hidden(unwrap_model(model)) as head:
+            hidden = model(**inputs, labels=None)
+        assert head.weight is not None
+        log_probs, _ = fused_lm_head_log_probs(
+            hidden,
+            head.weight,
+            labels,
+            tp_group=parallel_state.get_tensor_model_parallel_group() if self.dims.tp > 1 else None,
+            compute_entropy=False,
+        )
+        return -log_probs
 
     def _backward(
         self,
@@ -418,6 +446,7 @@ def build_engine(
         cp_layout=cp_layout,
         cp_groups=cp_groups,
         cp_workload=cp_workload,
+        fused_lm_head=cfg.model.use_fused_kernels,
     )
     if debug:
         optimizer = debug_adamw(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)

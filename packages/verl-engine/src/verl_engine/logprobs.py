@@ -32,12 +32,16 @@ loss from the replicated outputs (the megatron-core convention, as in its ``voca
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["log_probs_from_logits", "vocab_parallel_log_probs_and_entropy"]
+
+# ``(start, end) -> logits[start:end]`` of this rank's vocabulary shard, any float dtype
+ChunkLogits = Callable[[int, int], torch.Tensor]
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -135,22 +139,30 @@ class _LabelIndex:
 
 
 def _shard_statistics(
-    logits: torch.Tensor, index: _LabelIndex, *, temperature: float, compute_entropy: bool, chunk_size: int
+    chunk_logits: ChunkLogits,
+    num_tokens: int,
+    index: _LabelIndex,
+    *,
+    temperature: float,
+    compute_entropy: bool,
+    chunk_size: int,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of this shard, relative to the shard's own max ``m``, one chunk at a time.
 
     ``sum_exp = sum exp(s - m)``, ``sum_exp_s = sum exp(s - m) (s - m)`` (entropy only) and ``label = s[label]``
     where this rank owns the label, else 0. Shifting by the local max keeps exp in range without a first
     pass for the global max; :func:`_combine_shards` rescales to the global max afterwards.
+    ``chunk_logits(start, end)`` gives the logits of tokens ``[start, end)`` (a view of stored logits, or
+    computed from hidden states by :mod:`verl_engine.fused_head`).
     """
-    num_tokens = logits.shape[0]
     stats = {
-        name: torch.zeros(num_tokens, dtype=torch.float32, device=logits.device)
+        name: torch.zeros(num_tokens, dtype=torch.float32, device=device)
         for name in ("max", "sum_exp", "sum_exp_s", "label")
     }
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        scaled = _scaled_chunk(logits[start:end], temperature=temperature)
+        scaled = _scaled_chunk(chunk_logits(start, end), temperature=temperature)
         picked = scaled.gather(1, index.column[start:end, None]).squeeze(1)
         stats["label"][start:end] = torch.where(index.owned[start:end], picked, torch.zeros_like(picked))
         chunk_max = scaled.amax(dim=1)
@@ -240,6 +252,83 @@ def _chunk_grad(
     return grad
 
 
+def chunked_forward(
+    ctx: Any,
+    chunk_logits: ChunkLogits,
+    *,
+    num_tokens: int,
+    vocab_local: int,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float,
+    compute_entropy: bool,
+    chunk_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The forward shared by the stored-logits and the fused-head autograd functions.
+
+    Returns ``(log_probs, entropy or None, lse)`` and records on ``ctx`` what :func:`chunked_backward`
+    needs besides the saved tensors.
+    """
+    rank, tp_size = _tp_rank_and_size(tp_group)
+    index = _LabelIndex(labels, rank=rank, tp_size=tp_size, vocab_local=vocab_local)
+    stats = _shard_statistics(
+        chunk_logits,
+        num_tokens,
+        index,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+        device=device,
+    )
+    stats = _combine_shards(stats, tp_group=tp_group, tp_size=tp_size)
+    log_probs, entropy, lse = _log_probs_and_entropy(stats, index)
+    ctx.rank, ctx.tp_size = rank, tp_size
+    ctx.temperature, ctx.compute_entropy, ctx.chunk_size = temperature, compute_entropy, chunk_size
+    # An unused output's grad stays None instead of a zeros tensor: backward then skips its term.
+    ctx.set_materialize_grads(False)
+    return log_probs, (entropy if compute_entropy else None), lse
+
+
+def chunked_backward(
+    ctx: Any,
+    chunk_logits: ChunkLogits,
+    *,
+    num_tokens: int,
+    vocab_local: int,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_outputs: tuple[torch.Tensor | None, ...],
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, end, float32 gradient of logits[start:end])`` chunk by chunk; nothing when no grad flows."""
+    grad_log_probs = grad_outputs[0]
+    grad_entropy = grad_outputs[1] if ctx.compute_entropy else None
+    if grad_log_probs is None and grad_entropy is None:
+        return
+    index = _LabelIndex(labels, rank=ctx.rank, tp_size=ctx.tp_size, vocab_local=vocab_local)
+    if grad_log_probs is not None:
+        grad_log_probs = torch.where(index.valid, grad_log_probs.float(), torch.zeros_like(lse))
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.float()
+    for start in range(0, num_tokens, ctx.chunk_size):
+        end = min(start + ctx.chunk_size, num_tokens)
+        yield (
+            start,
+            end,
+            _chunk_grad(
+                _scaled_chunk(chunk_logits(start, end), temperature=ctx.temperature),
+                lse=lse[start:end],
+                entropy=None if entropy is None else entropy[start:end],
+                grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
+                grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
+                owned=index.owned[start:end],
+                column=index.column[start:end],
+                temperature=ctx.temperature,
+            ),
+        )
+
+
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     """Chunked forward/backward; saves the input logits (no copy), labels and per-token float32 statistics."""
 
@@ -253,46 +342,38 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         compute_entropy: bool,
         chunk_size: int,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        rank, tp_size = _tp_rank_and_size(tp_group)
-        index = _LabelIndex(labels, rank=rank, tp_size=tp_size, vocab_local=logits.shape[-1])
-        stats = _shard_statistics(
-            logits, index, temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size
+        log_probs, entropy, lse = chunked_forward(
+            ctx,
+            lambda start, end: logits[start:end],
+            num_tokens=logits.shape[0],
+            vocab_local=logits.shape[-1],
+            labels=labels,
+            tp_group=tp_group,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            chunk_size=chunk_size,
+            device=logits.device,
         )
-        stats = _combine_shards(stats, tp_group=tp_group, tp_size=tp_size)
-        log_probs, entropy, lse = _log_probs_and_entropy(stats, index)
         # A private copy of the entropy ([T] floats): the caller may then modify the output in place.
-        ctx.save_for_backward(logits, labels, lse, entropy.clone() if compute_entropy else None)
-        ctx.rank, ctx.tp_size = rank, tp_size
-        ctx.temperature, ctx.compute_entropy, ctx.chunk_size = temperature, compute_entropy, chunk_size
-        # An unused output's grad stays None instead of a zeros tensor: backward then skips its term.
-        ctx.set_materialize_grads(False)
-        return (log_probs, entropy) if compute_entropy else log_probs
+        ctx.save_for_backward(logits, labels, lse, None if entropy is None else entropy.clone())
+        return log_probs if entropy is None else (log_probs, entropy)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         logits, labels, lse, entropy = ctx.saved_tensors
-        grad_log_probs = grad_outputs[0]
-        grad_entropy = grad_outputs[1] if ctx.compute_entropy else None
-        if grad_log_probs is None and grad_entropy is None:
-            return (None,) * 6
-        index = _LabelIndex(labels, rank=ctx.rank, tp_size=ctx.tp_size, vocab_local=logits.shape[-1])
-        if grad_log_probs is not None:
-            grad_log_probs = torch.where(index.valid, grad_log_probs.float(), torch.zeros_like(lse))
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.float()
-        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for start in range(0, logits.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, logits.shape[0])
-            chunk_grad = _chunk_grad(
-                _scaled_chunk(logits[start:end], temperature=ctx.temperature),
-                lse=lse[start:end],
-                entropy=None if entropy is None else entropy[start:end],
-                grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
-                grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
-                owned=index.owned[start:end],
-                column=index.column[start:end],
-                temperature=ctx.temperature,
-            )
+        grad_logits = None
+        for start, end, chunk_grad in chunked_backward(
+            ctx,
+            lambda start, end: logits[start:end],
+            num_tokens=logits.shape[0],
+            vocab_local=logits.shape[-1],
+            labels=labels,
+            lse=lse,
+            entropy=entropy,
+            grad_outputs=grad_outputs,
+        ):
+            if grad_logits is None:
+                grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
             grad_logits[start:end].copy_(chunk_grad)
             del chunk_grad
         return grad_logits, None, None, None, None, None

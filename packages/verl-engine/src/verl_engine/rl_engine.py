@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_engine.fused_head import fused_lm_head_log_probs, lm_head_returns_hidden
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
 from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts, run_mtp
 from verl_engine.packed import (
@@ -142,6 +143,7 @@ class RLEngine:
         mtp_embedding_copy: bool = False,
         hf_config: Mapping[str, Any] | None = None,
         lora: Any = None,
+        fused_lm_head: bool = False,
     ) -> None:
         # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
@@ -170,6 +172,9 @@ class RLEngine:
         self.micro_batching = micro_batching
         self.value_model = value_model
         self.use_remove_padding = use_remove_padding
+        # model.use_fused_kernels: log-probs / entropy from the last hidden states with the LM head's matmul
+        # inside the chunk loop (verl_engine.fused_head); a value model has no LM head to fuse.
+        self.fused_lm_head = fused_lm_head and not value_model
         self.lr_schedule = lr_schedule
         self.mode: str | None = None
         self._tokenizer_path = tokenizer_path
@@ -631,12 +636,14 @@ class RLEngine:
         hook = None
         if tracker is not None:  # MTP starts from the decoder's final hidden states
             hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        head = lm_head_returns_hidden(gpt) if self.fused_lm_head else contextlib.nullcontext()
         try:
-            if self.use_remove_padding:
-                raw = self._stage_forward(model, mb, packed=packed)[0]
-                labels = local.labels
-            else:
-                raw, labels = self._padded_forward(model, mb, packed=packed)
+            with head as capture:  # fused: ``raw`` is the head's input [tokens, H], not logits
+                if self.use_remove_padding:
+                    raw = self._stage_forward(model, mb, packed=packed)[0]
+                    labels = local.labels
+                else:
+                    raw, labels = self._padded_forward(model, mb, packed=packed)
         finally:
             if hook is not None:
                 hook.remove()
@@ -662,13 +669,20 @@ class RLEngine:
             values = raw.squeeze(-1).float()
             merged["values"] = dynamic_cp_merge_output(values, micro_batch=mb.split, groups=self.cp_groups)
             return merged, mtp_term
-        log_probs, ent = vocab_parallel_log_probs_and_entropy(
-            raw,
-            labels,
-            tp_group=self.tp_group if self.tp_size > 1 else None,
-            temperature=temperature,
-            compute_entropy=entropy,
-        )
+        tp_group = self.tp_group if self.tp_size > 1 else None
+        if capture is not None:
+            log_probs, ent = fused_lm_head_log_probs(
+                raw,
+                capture.weight,
+                labels,
+                tp_group=tp_group,
+                temperature=temperature,
+                compute_entropy=entropy,
+            )
+        else:
+            log_probs, ent = vocab_parallel_log_probs_and_entropy(
+                raw, labels, tp_group=tp_group, temperature=temperature, compute_entropy=entropy
+            )
         merged["log_probs"] = dynamic_cp_merge_output(log_probs, micro_batch=mb.split, groups=self.cp_groups)
         if ent is not None:
             merged["entropy"] = dynamic_cp_merge_output(ent, micro_batch=mb.split, groups=self.cp_groups)
