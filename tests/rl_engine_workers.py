@@ -59,7 +59,9 @@ def verl_batch(
     }
 
 
-def _engine(overrides: list[str], role: str, model_dir: str, device: str) -> Any:
+def _engine(
+    overrides: list[str], role: str, model_dir: str, device: str, hf_config: dict[str, Any] | None = None
+) -> Any:
     from megatron.core import parallel_state
 
     from verl_config import load_config
@@ -79,7 +81,7 @@ def _engine(overrides: list[str], role: str, model_dir: str, device: str) -> Any
         device=device,
     )
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    return rl_engine_from_config(cfg, role=role, device=dev), cfg
+    return rl_engine_from_config(cfg, role=role, device=dev, hf_config=hf_config), cfg
 
 
 def infer_layouts(
@@ -668,3 +670,78 @@ def ppo_overrides(world: int, extra: list[str]) -> list[str]:
         f"critic.ppo_micro_batch_size_per_gpu={max(1, 8 // world // 2)}",
         *extra,
     ]
+
+
+def close_and_rebuild(rank: int, world_size: int, model_dir: str, batch: dict[str, Any]) -> dict[str, Any]:
+    """Build an actor, infer, close it; then a second one in the same process group gives the same output.
+
+    Reports whether the first engine's model and optimizer were freed (weak references dead after
+    close), what using a closed engine raises, and whether its CP groups refuse use.
+    """
+    import gc
+    import weakref
+
+    out: dict[str, Any] = {}
+    overrides = [f"trainer.n_gpus_per_node={world_size}"]
+    engine, _ = _engine(overrides, "actor", model_dir, "cpu")
+    with engine.eval_mode():
+        first = engine.infer_batch({**batch})["model_output"]["log_probs"]
+    gc.collect()
+    refs = [
+        weakref.ref(engine.model),
+        weakref.ref(engine.optimizer),
+        weakref.ref(next(engine.model.parameters())),
+    ]
+    cp_groups = engine.cp_groups
+    engine.close()
+    engine.close()  # idempotent
+    out["freed"] = [r() is None for r in refs]
+    out["closed"] = engine.closed
+    for use in (lambda: engine.infer_batch(batch), lambda: engine.optimizer_step()):
+        try:
+            use()
+            out.setdefault("errors", []).append(None)
+        except RuntimeError as err:
+            out.setdefault("errors", []).append(str(err))
+    try:
+        cp_groups.group(1)
+        out["cp_groups_error"] = None
+    except RuntimeError as err:
+        out["cp_groups_error"] = str(err)
+    second, _ = _engine(overrides, "actor", model_dir, "cpu")
+    with second, second.eval_mode():
+        again = second.infer_batch({**batch})["model_output"]["log_probs"]
+    out["same_output"] = bool(torch.equal(first, again))
+    out["second_closed"] = second.closed
+    return out
+
+
+def gpu_engines_in_turn(rank: int, world_size: int, hf_config: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """``rounds`` actor engines built, trained one PPO step and closed in turn on one GPU; device memory
+    (allocated, and reserved by torch's cache) at the start, with each engine, and after each close."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    torch.cuda.init()
+    out: dict[str, Any] = {
+        "start": torch.cuda.memory_allocated(),
+        "with": [],
+        "after": [],
+        "reserved_after": [],
+    }
+    batch = verl_batch(
+        seed=0, prompt_lens=[5, 9, 3, 7], response_lens=[60, 30, 90, 45], vocab=hf_config["vocab_size"]
+    )
+    overrides = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.model.use_fused_kernels=true"]
+    for _ in range(rounds):
+        engine, cfg = _engine(overrides, "actor", "random-init", "cuda", hf_config=hf_config)
+        with engine.train_mode():
+            engine.train_batch(
+                {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+            )
+        out["with"].append(torch.cuda.memory_allocated())
+        engine.close()
+        out["after"].append(torch.cuda.memory_allocated())
+        out["reserved_after"].append(torch.cuda.memory_reserved())
+    return out

@@ -102,6 +102,7 @@ class CPGroups:
         n = len(self._ranks)
         self._sizes: tuple[int, ...] = tuple(1 << i for i in range(n.bit_length()) if n % (1 << i) == 0)
         self._groups: dict[int, CPGroup] = {}
+        self._destroyed = False
         position = self._ranks.index(me)
         # The same loop order on every rank: size, then list, then block. new_group is collective
         # over the world, so any difference in order would hang or pair up the wrong groups.
@@ -130,6 +131,22 @@ class CPGroups:
                     full = pg
             assert full is not None
             self._full_group = full
+
+    def destroy(self) -> None:
+        """Destroy this rank's groups (idempotent): every rank of the world calls it at the same point.
+
+        The engines call it from ``close()``: each engine builds its own CPGroups, so a process that builds
+        engines in turn would otherwise keep every earlier engine's communicators alive.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        mine = {id(g.process_group): g.process_group for g in self._groups.values()}
+        mine.setdefault(id(self._full_group), self._full_group)
+        self._groups = {}
+        if dist.is_initialized():
+            for group in mine.values():
+                dist.destroy_process_group(group)
 
     @classmethod
     def from_local_ranks(
@@ -168,6 +185,8 @@ class CPGroups:
     @property
     def full_group(self) -> dist.ProcessGroup:
         """The process group of all DP x CP ranks of this TP/PP position."""
+        if self._destroyed:
+            raise RuntimeError("these CP groups were destroyed (destroy()); build new CPGroups")
         return self._full_group
 
     @property
@@ -182,6 +201,8 @@ class CPGroups:
 
     def group(self, size: int) -> CPGroup:
         """This rank's group of ``size`` ranks (the same object on every call)."""
+        if self._destroyed:
+            raise RuntimeError("these CP groups were destroyed (destroy()); build new CPGroups")
         self._check_size(size)
         return self._groups[size]
 

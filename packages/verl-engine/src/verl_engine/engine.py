@@ -33,6 +33,7 @@ import torch.distributed as dist
 from verl_config import SFTConfig
 from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
 from verl_engine.data import Batch
+from verl_engine.lifetime import Closeable
 from verl_engine.loss import masked_loss_sum
 from verl_engine.packed import (
     CPLayout,
@@ -82,7 +83,7 @@ def lr_at_step(
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-class Engine:
+class Engine(Closeable):
     """A built model + optimizer; ``train_step`` runs one optimizer step over micro-batches."""
 
     def __init__(

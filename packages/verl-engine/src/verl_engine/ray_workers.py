@@ -108,16 +108,11 @@ class EngineWorker:
         self.configs[role] = cfg
 
     def drop(self, role: str) -> None:
-        """Release ``role``'s engine (its parameters, gradients and optimizer state)."""
-        import gc
-
-        import torch
-
-        self.engines.pop(role, None)
+        """Release ``role``'s engine (its parameters, gradients, optimizer state and CP groups): ``close()``."""
+        engine = self.engines.pop(role, None)
         self.configs.pop(role, None)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if engine is not None:
+            engine.close()
 
     def export_weights(self, role: str) -> list[tuple[str, Any]] | None:
         """``role``'s Hugging Face weights as a list of (name, CPU tensor) on the rank with outputs, else None.

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from verl_engine.fused_head import fused_lm_head_log_probs, lm_head_returns_hidden
+from verl_engine.lifetime import Closeable
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
 from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts, run_mtp
 from verl_engine.packed import (
@@ -115,7 +116,7 @@ def split_to_multiple(splits: list[tuple[int, ...]], *, multiple: int) -> list[t
     return out
 
 
-class RLEngine:
+class RLEngine(Closeable):
     """verl's engine surface (``BaseEngine``) for one role over a built model and optimizer.
 
     Built by :func:`verl_engine.build_rl.build_rl_engine`; see the module docstring for the data path.

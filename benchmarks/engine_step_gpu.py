@@ -1,0 +1,281 @@
+"""The RL engine's steps on one GPU beside the GPU's own matmul ceiling: SFT, PPO actor, log-prob pass.
+
+    cd benchmarks && python3 engine_step_gpu.py --shape qwen2.5-1.5b --seq 4096 --out results/engine_step_1.5b_4k_h100.json
+
+A Qwen2.5-shaped megatron-core model (random weights, bf16, no Transformer Engine) built by
+``rl_engine_from_config`` (verl-config ``ppo_trainer``, model_engine=megatron, distributed optimizer,
+dynamic batch size with ``ppo_max_token_len_per_gpu = --seq``: micro-batches of one ``--seq``-token
+packed row). For each LM-head variant (megatron-core's output layer + chunked log-probs, and the fused
+head of ``model.use_fused_kernels``) and each step size in ``--steps-of``:
+
+* SFT step: ``optimizer_zero_grad`` + ``forward_backward_batch(sft_loss)`` + ``optimizer_step``;
+* PPO actor step: the same with verl's PPO loss and the entropy term (``calculate_entropy``);
+* log-prob pass: ``infer_batch`` with entropy (verl's old-log-prob pass), forward only;
+
+each timed (median of ``--repeat`` after one warm-up), its peak memory (``max_memory_allocated`` reset
+before it), the optimizer step's own time, and model FLOP/s with Megatron-LM's counting (full attention
+``s^2`` term, no causal halving, LM head included, backward = 2 x forward), as MFU of the 989 TFLOP/s
+dense bf16 peak of H100 / H200 SXM and as a share of the matmul ceiling measured in the same run
+(bf16 8192^3 matmuls). Lengths: ``--lengths fixed`` gives every sequence ``--seq`` tokens;
+``--lengths varied`` draws them from 256 to ``--seq`` (long tail) and packs them into ``--seq``-token rows.
+Finally the engine is closed and a second one built and closed: device memory before, between and
+after (``Engine.close`` returns everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+}
+PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
+
+
+def hf_config(shape: str, *, seq: int) -> dict:
+    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
+    return {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied,
+        "max_position_embeddings": max(seq, 4096), "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
+def flops_per_sequence(shape: str, length: int) -> float:
+    """Megatron-LM's model FLOPs of one training pass (forward + backward) over one sequence.
+
+    Per token and layer, forward: QKV ``2 h (h + 2 kv_dim)``, attention output ``2 h^2``, SwiGLU MLP
+    ``2 * 3 h f``, attention scores and values ``2 * 2 s h`` (full s, as Megatron-LM counts); plus the LM
+    head ``2 h V``. Training = 3 x forward.
+    """
+    hidden, inter, layers, heads, kv, vocab, _ = SHAPES[shape]
+    kv_dim = kv * hidden // heads
+    per_layer = 2 * hidden * (hidden + 2 * kv_dim) + 2 * hidden * hidden + 6 * hidden * inter
+    per_layer += 4 * length * hidden
+    forward = length * (layers * per_layer + 2 * hidden * vocab)
+    return 3.0 * forward
+
+
+def matmul_ceiling_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / 10)
+    return 2 * 8192**3 / min(times) / 1e12
+
+
+def lengths_for(kind: str, *, count: int, seq: int, seed: int) -> list[int]:
+    if kind == "fixed":
+        return [seq] * count
+    g = torch.Generator().manual_seed(seed)
+    # log-uniform from 256 to seq: many short sequences, a long tail
+    u = torch.rand(count, generator=g)
+    return [int(math.exp(math.log(256) + float(x) * (math.log(seq) - math.log(256)))) for x in u]
+
+
+def make_batch(lengths: list[int], *, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """verl's padded layout: a 64-token prompt (left-padded) and the rest as the response."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = 64
+    response = max(lengths) - prompt
+    n = len(lengths)
+    ids = torch.zeros((n, prompt + response), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, :length] = torch.randint(
+            1, vocab, (length,), generator=g
+        )  # prompt whole, response right-padded
+        mask[i, :length] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask[:, prompt:].clone(),
+        "old_log_probs": torch.full((n, response), -11.0),
+        "ref_log_prob": torch.full((n, response), -11.0),
+        "advantages": torch.randn((n, response), generator=g),
+    }
+
+
+def synced(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def measure(run, *, repeat: int) -> dict:
+    """Median seconds of ``run()`` (after one warm-up) and the peak memory of the timed calls."""
+    run()
+    torch.cuda.reset_peak_memory_stats()
+    results = [synced(run) for _ in range(repeat)]
+    return {
+        "seconds": statistics.median(t for _, t in results),
+        "seconds_all": [t for _, t in results],
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "last": results[-1][0],
+    }
+
+
+def train_step(engine, loss_fn, data, optimizer_s: list[float]):
+    """One optimizer step; the optimizer's own (synchronised) seconds are appended to ``optimizer_s``."""
+    engine.optimizer_zero_grad()
+    result = engine.forward_backward_batch(data, loss_fn, forward_only=False)
+    _, seconds = synced(engine.optimizer_step)
+    optimizer_s.append(seconds)
+    return result
+
+
+def build(shape: str, *, seq: int, fused: bool, sequences: int) -> tuple:
+    from verl_config import load_config
+    from verl_engine.build_rl import rl_engine_from_config
+
+    overrides = [
+        "model_engine=megatron",
+        "actor_rollout_ref.model.path=random-init",
+        f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"data.max_prompt_length={seq}",
+        f"data.max_response_length={seq}",
+        f"data.train_batch_size={sequences}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={seq}",
+        "actor_rollout_ref.actor.optim.total_training_steps=100",
+        "actor_rollout_ref.actor.entropy_coeff=0.001",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+    ]
+    cfg = load_config(overrides=overrides)
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine = rl_engine_from_config(cfg, role="actor", device=device, hf_config=hf_config(shape, seq=seq))
+    return engine, cfg
+
+
+def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dict:
+    from verl_engine.losses import ppo_loss, sft_loss
+
+    _, _, _, _, _, vocab, _ = SHAPES[args.shape]
+    out: dict = {"fused_lm_head": fused, "steps": {}}
+    biggest = max(args.steps_of)
+    engine, cfg = build(args.shape, seq=args.seq, fused=fused, sequences=biggest)
+    ppo = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+    for count in args.steps_of:
+        lengths = lengths_for(args.lengths, count=count, seq=args.seq, seed=count)
+        batch = make_batch(lengths, vocab=vocab, seed=count)
+        tokens = sum(lengths)
+        flops = sum(flops_per_sequence(args.shape, n) for n in lengths)
+        record: dict = {"sequences": count, "tokens": tokens, "model_tflop_per_step": flops / 1e12}
+        for name, loss_fn, data in (
+            ("sft", sft_loss, batch),
+            ("ppo", ppo, {**batch, "calculate_entropy": True}),
+        ):
+            if name == "ppo" and count != min(args.steps_of):
+                continue  # the PPO step at the smallest step size only (its cost per token is the SFT one's)
+            optimizer_s: list[float] = []
+            with engine.train_mode():
+                m = measure(partial(train_step, engine, loss_fn, data, optimizer_s), repeat=args.repeat)
+            seconds = m["seconds"]
+            opt = statistics.median(optimizer_s[1:])
+            record[name] = {
+                "seconds": seconds,
+                "seconds_all": m["seconds_all"],
+                "tokens_per_s": tokens / seconds,
+                "model_tflops": flops / seconds / 1e12,
+                "mfu": flops / seconds / 1e12 / PEAK_BF16_TFLOPS,
+                "share_of_matmul_ceiling": flops / seconds / 1e12 / ceiling,
+                "optimizer_seconds": opt,
+                "optimizer_share": opt / seconds,
+                "peak_memory_gib": m["peak_memory_gib"],
+                "loss": float(m["last"]["loss"]),
+            }
+        with engine.eval_mode():
+            m = measure(partial(engine.infer_batch, {**batch, "calculate_entropy": True}), repeat=args.repeat)
+        forward_flops = flops / 3
+        record["log_prob"] = {
+            "seconds": m["seconds"],
+            "tokens_per_s": tokens / m["seconds"],
+            "model_tflops": forward_flops / m["seconds"] / 1e12,
+            "mfu": forward_flops / m["seconds"] / 1e12 / PEAK_BF16_TFLOPS,
+            "peak_memory_gib": m["peak_memory_gib"],
+        }
+        out["steps"][str(count)] = record
+        print(json.dumps({"fused": fused, **record}, default=float), flush=True)
+    # the engine's own memory: parameters, gradients and optimizer state, then close() returns it all
+    out["memory_gib_with_engine"] = torch.cuda.memory_allocated() / 2**30
+    engine.close()
+    out["memory_gib_after_close"] = torch.cuda.memory_allocated() / 2**30
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--lengths", choices=("fixed", "varied"), default="fixed")
+    parser.add_argument(
+        "--steps-of", type=int, nargs="+", default=[8, 64], help="sequences per optimizer step"
+    )
+    parser.add_argument("--variants", nargs="+", choices=("plain", "fused"), default=["plain", "fused"])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    from verl_mcore_utils.parallel import init_parallel
+
+    init_parallel(device="cuda")
+    ceiling = matmul_ceiling_tflops()
+    start = torch.cuda.memory_allocated() / 2**30
+    variants = [run_variant(args, fused=v == "fused", ceiling=ceiling) for v in args.variants]
+    record = {
+        "benchmark": "engine_step_gpu",
+        "device": torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "versions": {
+            p: metadata.version(p) for p in ("torch", "megatron-core", "verl-engine", "verl-mcore-utils")
+        },
+        "config": {
+            "shape": args.shape,
+            "seq": args.seq,
+            "lengths": args.lengths,
+            "micro_batch": f"one packed row of {args.seq} tokens (dynamic bsz)",
+            "dtype": "bfloat16",
+            "transformer_engine": False,
+            "optimizer": "megatron distributed optimizer, torch fused Adam (verl_mcore_utils.use_fused_torch_adam)",
+            "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
+            "peak_bf16_tflops": PEAK_BF16_TFLOPS,
+        },
+        "matmul_ceiling_tflops": ceiling,
+        "memory_gib_at_start": start,
+        "variants": variants,
+        "memory_gib_at_end": torch.cuda.memory_allocated() / 2**30,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "variants"}, indent=2, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Engine.close() / RLEngine.close() on CPU (gloo): the engine's model and optimizer are freed (weak
+references die at close, not at some later garbage collection), a closed engine refuses every use with
+one clear error, its CP groups are destroyed, and a second engine built afterwards in the same process
+group works and gives the first one's outputs. The device-memory check (two engines in turn, memory back
+to the start) is tests/test_gpu_engine_lifetime.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from rl_engine_workers import close_and_rebuild, verl_batch
+
+from verl_mcore_utils.testing import run_distributed
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    return str(save_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2") / "model", seed=3))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_close_frees_the_engine_and_a_new_one_works(model_dir: str, world: int) -> None:
+    batch = verl_batch(seed=0, prompt_lens=[3, 5, 2], response_lens=[4, 2, 6])
+    for out in run_distributed(close_and_rebuild, world_size=world, args=(model_dir, batch)):
+        assert out["freed"] == [True, True, True]
+        assert out["closed"] and out["second_closed"]
+        assert len(out["errors"]) == 2
+        for message in out["errors"]:
+            assert (
+                message is not None and "RLEngine was closed" in message and "build a new engine" in message
+            )
+        assert out["cp_groups_error"] is not None and "destroyed" in out["cp_groups_error"]
+        assert out["same_output"]
