@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope", "rope_inv_freq"]
+__all__ = ["apply_rope", "apply_rope_tables", "rope_inv_freq", "rope_tables"]
 
 
 def rope_inv_freq(
@@ -41,6 +41,44 @@ def _rotate_half(x: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
     return torch.stack((-odd, even), dim=-1).flatten(-2)
 
 
+def rope_tables(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angles ``position * inv_freq``, ``[T, 1, rot_dim]`` in ``dtype`` on ``device``.
+
+    Angles in float32 (as megatron-core), then cast: one table per micro-batch serves every layer
+    (:func:`verl_dyncp.thd_attention.local_rope_qk` caches it on the batch's layout).
+    """
+    if position_ids.dim() != 1:
+        raise ValueError(
+            f"position_ids must be 1-D with one entry per token: got {tuple(position_ids.shape)}"
+        )
+    inv = inv_freq.to(device=device, dtype=torch.float32)
+    freqs = torch.outer(position_ids.to(device=device, dtype=torch.float32), inv)  # [T, rot/2]
+    emb = (
+        torch.stack((freqs, freqs), dim=-1).flatten(-2) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    )
+    emb = emb.unsqueeze(1)  # broadcast over heads
+    return torch.cos(emb).to(dtype), torch.sin(emb).to(dtype)
+
+
+def apply_rope_tables(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, dim]`` with precomputed :func:`rope_tables` (first ``rot_dim`` channels)."""
+    if cos.shape[0] != x.shape[0]:
+        raise ValueError(f"rope tables hold {cos.shape[0]} positions for {x.shape[0]} tokens")
+    rot_dim = cos.shape[-1]
+    rotated, passed = x[..., :rot_dim], x[..., rot_dim:]
+    rotated = rotated * cos + _rotate_half(rotated, interleaved=interleaved) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
 def apply_rope(
     x: torch.Tensor,
     *,
@@ -57,16 +95,5 @@ def apply_rope(
             "position_ids must be 1-D with one entry per token:"
             f" got {tuple(position_ids.shape)} for x {tuple(x.shape)}"
         )
-    inv = inv_freq.to(device=x.device, dtype=torch.float32)
-    freqs = torch.outer(position_ids.to(device=x.device, dtype=torch.float32), inv)  # [T, rot/2]
-    if interleaved:
-        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    emb = emb[:, None, :]  # broadcast over heads
-    rot_dim = emb.shape[-1]
-    rotated, passed = x[..., :rot_dim], x[..., rot_dim:]
-    cos = torch.cos(emb).to(x.dtype)
-    sin = torch.sin(emb).to(x.dtype)
-    rotated = rotated * cos + _rotate_half(rotated, interleaved=interleaved) * sin
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+    cos, sin = rope_tables(position_ids, inv_freq, dtype=x.dtype, device=x.device, interleaved=interleaved)
+    return apply_rope_tables(x, cos, sin, interleaved=interleaved)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_dyncp.rope import apply_rope
+from verl_dyncp.rope import apply_rope_tables, rope_tables
 from verl_dyncp.thd import build_thd_meta
 
 __all__ = [
@@ -167,6 +167,11 @@ class ThdLayout:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    # RoPE cos / sin tables of this micro-batch by (positions, frequencies, dtype, interleaved): computed by
+    # the first layer, reused by the others (one table build per micro-batch, not two per layer)
+    rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
 
 def thd_layout(
@@ -428,10 +433,19 @@ def local_rope_qk(
         )
     if inv_freq is None:
         return query, key
-    positions = (position_ids if position_ids is not None else layout.position_ids).to(query.device)
+    positions = position_ids if position_ids is not None else layout.position_ids
+    key_ = (id(positions), tuple(inv_freq.tolist()), query.dtype, query.device, rotary_interleaved)
+    entry = layout.rope_cache.get(key_)
+    if entry is None or entry[0] is not positions:  # the entry keeps its positions alive: ids stay unique
+        cos, sin = rope_tables(
+            positions, inv_freq, dtype=query.dtype, device=query.device, interleaved=rotary_interleaved
+        )
+        layout.rope_cache[key_] = (positions, cos, sin)
+    else:
+        _, cos, sin = entry
     return (
-        apply_rope(query, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved),
-        apply_rope(key, position_ids=positions, inv_freq=inv_freq, interleaved=rotary_interleaved),
+        apply_rope_tables(query, cos, sin, interleaved=rotary_interleaved),
+        apply_rope_tables(key, cos, sin, interleaved=rotary_interleaved),
     )
 
 

@@ -322,15 +322,13 @@ class Engine(Closeable):
         """Per-token cross-entropy ``[b, s]``: megatron-core's (vocab-parallel under TP) or the fused head's."""
         if not self.fused_lm_head:
             return model(**inputs, labels=labels.clamp(min=0))
-        from verl_engine.fused_head import fused_lm_head_log_probs, lm_head_returns_hidden
+        from verl_engine.fused_head import lm_head_returns_hidden
         from verl_mcore_utils.module import unwrap_model
 
         with lm_head_returns_hidden(unwrap_model(model)) as head:
             hidden = model(**inputs, labels=None)
-        assert head.weight is not None
-        log_probs, _ = fused_lm_head_log_probs(
+        log_probs, _ = head.log_probs(
             hidden,
-            head.weight,
             labels,
             tp_group=parallel_state.get_tensor_model_parallel_group() if self.dims.tp > 1 else None,
             compute_entropy=False,

@@ -169,6 +169,31 @@ class HeadCapture:
 
     weight: torch.Tensor | None = None
 
+    def log_probs(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        temperature: float = 1.0,
+        compute_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`fused_lm_head_log_probs` of the model's returned hidden states with the captured weight.
+
+        megatron-core's Float16Module hands the last stage's output back in float32; that is an exact
+        upcast of the bf16 / fp16 hidden states, so they go back to the weight's dtype losslessly.
+        """
+        if self.weight is None:
+            raise RuntimeError("the model's forward never called its output layer (is this the last stage?)")
+        return fused_lm_head_log_probs(
+            hidden.to(self.weight.dtype),
+            self.weight,
+            labels,
+            tp_group=tp_group,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+        )
+
 
 @contextlib.contextmanager
 def lm_head_returns_hidden(gpt: Any) -> Iterator[HeadCapture]:

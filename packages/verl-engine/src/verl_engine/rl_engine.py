@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_engine.fused_head import fused_lm_head_log_probs, lm_head_returns_hidden
+from verl_engine.fused_head import lm_head_returns_hidden
 from verl_engine.lifetime import Closeable
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
 from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts, run_mtp
@@ -672,13 +672,8 @@ class RLEngine(Closeable):
             return merged, mtp_term
         tp_group = self.tp_group if self.tp_size > 1 else None
         if capture is not None:
-            log_probs, ent = fused_lm_head_log_probs(
-                raw,
-                capture.weight,
-                labels,
-                tp_group=tp_group,
-                temperature=temperature,
-                compute_entropy=entropy,
+            log_probs, ent = capture.log_probs(
+                raw, labels, tp_group=tp_group, temperature=temperature, compute_entropy=entropy
             )
         else:
             log_probs, ent = vocab_parallel_log_probs_and_entropy(
