@@ -148,7 +148,7 @@ def train_step(engine, loss_fn, data, optimizer_s: list[float]):
     return result
 
 
-def build(shape: str, *, seq: int, fused: bool, sequences: int) -> tuple:
+def build(shape: str, *, seq: int, fused: bool, sequences: int, recompute: bool = False) -> tuple:
     from verl_config import load_config
     from verl_engine.build_rl import rl_engine_from_config
 
@@ -168,6 +168,13 @@ def build(shape: str, *, seq: int, fused: bool, sequences: int) -> tuple:
         "actor_rollout_ref.actor.entropy_coeff=0.001",
         "actor_rollout_ref.actor.megatron.sequence_parallel=false",
     ]
+    if recompute:  # megatron-core's full activation recompute, one layer per checkpoint
+        mc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+        overrides += [
+            f"{mc}.recompute_granularity=full",
+            f"{mc}.recompute_method=uniform",
+            f"{mc}.recompute_num_layers=1",
+        ]
     cfg = load_config(overrides=overrides)
     device = torch.device("cuda", torch.cuda.current_device())
     engine = rl_engine_from_config(cfg, role="actor", device=device, hf_config=hf_config(shape, seq=seq))
@@ -180,7 +187,7 @@ def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dic
     _, _, _, _, _, vocab, _ = SHAPES[args.shape]
     out: dict = {"fused_lm_head": fused, "steps": {}}
     biggest = max(args.steps_of)
-    engine, cfg = build(args.shape, seq=args.seq, fused=fused, sequences=biggest)
+    engine, cfg = build(args.shape, seq=args.seq, fused=fused, sequences=biggest, recompute=args.recompute)
     ppo = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     for count in args.steps_of:
         lengths = lengths_for(args.lengths, count=count, seq=args.seq, seed=count)
@@ -241,6 +248,9 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", choices=("plain", "fused"), default=["plain", "fused"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--recompute", action="store_true", help="full activation recompute (MFU excludes it)"
+    )
     args = parser.parse_args()
 
     from verl_mcore_utils.parallel import init_parallel
@@ -263,6 +273,7 @@ def main() -> None:
             "micro_batch": f"one packed row of {args.seq} tokens (dynamic bsz)",
             "dtype": "bfloat16",
             "transformer_engine": False,
+            "activation_recompute": "full, uniform, 1 layer" if args.recompute else "none",
             "optimizer": "megatron distributed optimizer, torch fused Adam (verl_mcore_utils.use_fused_torch_adam)",
             "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
             "peak_bf16_tflops": PEAK_BF16_TFLOPS,
