@@ -148,7 +148,9 @@ def train_step(engine, loss_fn, data, optimizer_s: list[float]):
     return result
 
 
-def build(shape: str, *, seq: int, fused: bool, sequences: int, recompute: bool = False) -> tuple:
+def build(
+    shape: str, *, seq: int, fused: bool, sequences: int, recompute: bool = False, extra: tuple[str, ...] = ()
+) -> tuple:
     from verl_config import load_config
     from verl_engine.build_rl import rl_engine_from_config
 
@@ -175,7 +177,7 @@ def build(shape: str, *, seq: int, fused: bool, sequences: int, recompute: bool 
             f"{mc}.recompute_method=uniform",
             f"{mc}.recompute_num_layers=1",
         ]
-    cfg = load_config(overrides=overrides)
+    cfg = load_config(overrides=[*overrides, *extra])
     device = torch.device("cuda", torch.cuda.current_device())
     engine = rl_engine_from_config(cfg, role="actor", device=device, hf_config=hf_config(shape, seq=seq))
     return engine, cfg
@@ -187,7 +189,14 @@ def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dic
     _, _, _, _, _, vocab, _ = SHAPES[args.shape]
     out: dict = {"fused_lm_head": fused, "steps": {}}
     biggest = max(args.steps_of)
-    engine, cfg = build(args.shape, seq=args.seq, fused=fused, sequences=biggest, recompute=args.recompute)
+    engine, cfg = build(
+        args.shape,
+        seq=args.seq,
+        fused=fused,
+        sequences=biggest,
+        recompute=args.recompute,
+        extra=tuple(args.override),
+    )
     ppo = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     for count in args.steps_of:
         lengths = lengths_for(args.lengths, count=count, seq=args.seq, seed=count)
@@ -251,6 +260,7 @@ def main() -> None:
     parser.add_argument(
         "--recompute", action="store_true", help="full activation recompute (MFU excludes it)"
     )
+    parser.add_argument("--override", nargs="*", default=[], help="extra verl config overrides (key=value)")
     args = parser.parse_args()
 
     from verl_mcore_utils.parallel import init_parallel
@@ -277,6 +287,7 @@ def main() -> None:
             "optimizer": "megatron distributed optimizer, torch fused Adam (verl_mcore_utils.use_fused_torch_adam)",
             "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
             "peak_bf16_tflops": PEAK_BF16_TFLOPS,
+            "overrides": args.override,
         },
         "matmul_ceiling_tflops": ceiling,
         "memory_gib_at_start": start,

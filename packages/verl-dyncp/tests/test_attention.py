@@ -6,7 +6,9 @@ each whole sequence, without CP. GPU tests (marked) compare the varlen flash ker
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -494,7 +496,7 @@ def test_tiny_gpt_thd_cp2_matches_no_cp_model(tmp_path: Path) -> None:
 # GPU: the varlen flash kernel against the SDPA path (bf16)
 
 
-def _gpu_worker(rank: int, world_size: int) -> dict[str, Any]:
+def _gpu_worker(rank: int, world_size: int, long: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     from verl_dyncp.thd_attention import varlen_kernel_available
@@ -502,10 +504,13 @@ def _gpu_worker(rank: int, world_size: int) -> dict[str, Any]:
     if not varlen_kernel_available():
         return {"skip": "torch.nn.attention.varlen is not available"}
     group = dist.group.WORLD if world_size > 1 else None
-    seqs = _make_inputs(40, (5, 130, 1, 77, 256), dtype=torch.bfloat16)
+    # long: sequences past DENSE_MIN_TOKENS take the dense (cuDNN) path under "auto", with windows that reach
+    # into the next sequence (2300 -> 2304) and one cut by the row's end (the last); the rest go through varlen
+    lengths = (2300, 5, 130, 2048, 1, 77, 2100) if long else (5, 130, 1, 77, 256)
+    seqs = _make_inputs(40, lengths, dtype=torch.bfloat16)
     align = 2 * world_size
     res = {}
-    for kernel in ("varlen", "sdpa"):
+    for kernel in ("auto", "varlen", "sdpa"):
         res[kernel] = _run_local(
             seqs,
             group=group,
@@ -525,24 +530,76 @@ def test_gpu_varlen_matches_sdpa_cp1() -> None:
     _check_gpu(1)
 
 
+@pytest.mark.num_gpus(1)
+def test_gpu_dense_segments_match_sdpa_cp1() -> None:
+    _check_gpu(1, long=True)
+
+
 @pytest.mark.num_gpus(2)
 def test_gpu_varlen_matches_sdpa_cp2() -> None:
     _check_gpu(2)
 
 
-def _check_gpu(world_size: int) -> None:
-
-    raw = run_distributed(_gpu_worker, world_size=world_size, backend="nccl", timeout_s=300)
+def _check_gpu(world_size: int, long: bool = False) -> None:
+    worker = functools.partial(_gpu_worker, long=long)
+    raw = run_distributed(worker, world_size=world_size, backend="nccl", timeout_s=300)
     if "skip" in raw[0]:
         pytest.skip(raw[0]["skip"])
     results = [_as_torch(r) for r in raw]
-    for name in ("out", "dq", "dk", "dv"):
-        for r in results:
-            got, ref = r["varlen"][name].float(), r["sdpa"][name].float()
-            # bf16: both kernels round differently; 2e-2 of the tensor's scale (verl's loss anchor is 1e-2)
-            err = float((got - ref).abs().max()) / float(ref.abs().max())
-            print(f"varlen vs sdpa, bf16, cp={world_size}, {name}: {err:.3e}")
-            assert err < 2e-2, (name, err)
+    for kernel in ("auto", "varlen"):
+        for name in ("out", "dq", "dk", "dv"):
+            for r in results:
+                got, ref = r[kernel][name].float(), r["sdpa"][name].float()
+                # bf16: the kernels round differently; 2e-2 of the tensor's scale (verl's loss anchor is 1e-2)
+                err = float((got - ref).abs().max()) / float(ref.abs().max())
+                print(f"{kernel} vs sdpa, bf16, cp={world_size}, {name}: {err:.3e}")
+                assert err < 2e-2, (kernel, name, err)
+
+
+def test_cp1_segment_plan_splits_long_sequences_from_runs_of_short_ones() -> None:
+    """CP 1 under "auto": each sequence of >= DENSE_MIN_TOKENS alone (window rounded up inside the row), runs of
+    shorter sequences together with their own offsets."""
+    from verl_dyncp.thd_attention import (
+        DENSE_MIN_TOKENS,
+        DENSE_WINDOW_MULTIPLE,
+        _DenseSegment,
+        _segment_plan,
+        _VarlenSegment,
+        build_thd_layout,
+    )
+
+    assert (DENSE_MIN_TOKENS, DENSE_WINDOW_MULTIPLE) == (2048, 256)
+    lens = [100, 30, 2300, 5, 2048, 7, 2100]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    layout = build_thd_layout(cu_seqlens=cu, cu_seqlens_padded=None, cp_size=1, cp_rank=0, device="cpu")
+    assert not layout.has_padding
+    plan = _segment_plan(layout)
+    assert _segment_plan(layout) is plan  # once per micro-batch
+    kinds = [type(seg).__name__ for seg in plan]
+    assert kinds == [
+        "_VarlenSegment",
+        "_DenseSegment",
+        "_VarlenSegment",
+        "_DenseSegment",
+        "_VarlenSegment",
+        "_DenseSegment",
+    ]
+    first, dense1, _, dense2, _, last = plan
+    assert isinstance(first, _VarlenSegment) and (first.start, first.end, first.max_seqlen) == (0, 130, 100)
+    assert first.cu_seqlens.tolist() == [0, 100, 130]
+    assert isinstance(dense1, _DenseSegment) and (dense1.start, dense1.length, dense1.window) == (
+        130,
+        2300,
+        2304,
+    )
+    assert isinstance(dense2, _DenseSegment) and (dense2.length, dense2.window) == (2048, 2048)
+    total = sum(lens)
+    assert isinstance(last, _DenseSegment) and last.start + last.window == total  # cut at the row's end
+    padded = build_thd_layout(
+        cu_seqlens=cu, cu_seqlens_padded=torch.tensor([0, *itertools.accumulate(n + 1 for n in lens)]), cp_size=1,
+        cp_rank=0, device="cpu",
+    )  # fmt: skip
+    assert padded.has_padding
 
 
 @pytest.mark.skipif(

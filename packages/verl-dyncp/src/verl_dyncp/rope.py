@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from verl_dyncp.fused_rope import fused_rope, fused_rope_applies
+
 __all__ = ["apply_rope", "apply_rope_tables", "rope_inv_freq", "rope_tables"]
 
 
@@ -73,6 +75,8 @@ def apply_rope_tables(
     """Rotate ``x`` ``[T, heads, dim]`` with precomputed :func:`rope_tables` (first ``rot_dim`` channels)."""
     if cos.shape[0] != x.shape[0]:
         raise ValueError(f"rope tables hold {cos.shape[0]} positions for {x.shape[0]} tokens")
+    if fused_rope_applies(x, cos, interleaved=interleaved):
+        return fused_rope(x, cos, sin)  # one Triton kernel instead of five elementwise passes
     rot_dim = cos.shape[-1]
     rotated, passed = x[..., :rot_dim], x[..., rot_dim:]
     rotated = rotated * cos + _rotate_half(rotated, interleaved=interleaved) * sin
