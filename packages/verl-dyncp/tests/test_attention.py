@@ -504,13 +504,13 @@ def _gpu_worker(rank: int, world_size: int, long: bool = False) -> dict[str, Any
     if not varlen_kernel_available():
         return {"skip": "torch.nn.attention.varlen is not available"}
     group = dist.group.WORLD if world_size > 1 else None
-    # long: sequences past DENSE_MIN_TOKENS take the dense (cuDNN) path under "auto", with windows that reach
+    # long: sequences past DENSE_MIN_TOKENS take the dense (cuDNN) path under "cudnn", with windows that reach
     # into the next sequence (2300 -> 2304) and one cut by the row's end (the last); the rest go through varlen
     lengths = (2300, 5, 130, 2048, 1, 77, 2100) if long else (5, 130, 1, 77, 256)
     seqs = _make_inputs(40, lengths, dtype=torch.bfloat16)
     align = 2 * world_size
     res = {}
-    for kernel in ("auto", "varlen", "sdpa"):
+    for kernel in ("cudnn", "varlen", "sdpa"):
         res[kernel] = _run_local(
             seqs,
             group=group,
@@ -546,7 +546,7 @@ def _check_gpu(world_size: int, long: bool = False) -> None:
     if "skip" in raw[0]:
         pytest.skip(raw[0]["skip"])
     results = [_as_torch(r) for r in raw]
-    for kernel in ("auto", "varlen"):
+    for kernel in ("cudnn", "varlen"):
         for name in ("out", "dq", "dk", "dv"):
             for r in results:
                 got, ref = r[kernel][name].float(), r["sdpa"][name].float()
@@ -557,7 +557,7 @@ def _check_gpu(world_size: int, long: bool = False) -> None:
 
 
 def test_cp1_segment_plan_splits_long_sequences_from_runs_of_short_ones() -> None:
-    """CP 1 under "auto": each sequence of >= DENSE_MIN_TOKENS alone (window rounded up inside the row), runs of
+    """CP 1 under "cudnn": each sequence of >= DENSE_MIN_TOKENS alone (window rounded up inside the row), runs of
     shorter sequences together with their own offsets."""
     from verl_dyncp.thd_attention import (
         DENSE_MIN_TOKENS,

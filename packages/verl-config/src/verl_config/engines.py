@@ -31,7 +31,7 @@ _RECOMPUTE_GRANULARITY = (None, "full", "selective")
 _RECOMPUTE_METHOD = (None, "uniform", "block")
 _ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # Attention of the packed (THD) path (verl-dyncp): torch kernels, or Transformer Engine's when installed.
-PACKED_ATTENTION_BACKENDS = ("auto", "varlen", "sdpa", "te")
+PACKED_ATTENTION_BACKENDS = ("auto", "varlen", "cudnn", "sdpa", "te")
 
 
 def _default_override_transformer_config() -> dict[str, Any]:

@@ -40,7 +40,7 @@ class DynCPCoreAttention(MegatronModule):
 
     Class attributes (set by :func:`dyncp_core_attention`, since megatron-core 0.19 instantiates the
     spec's class directly and cannot pass extra constructor arguments): ``rotary_base`` (None: no RoPE
-    here), ``rotary_percent`` and ``kernel`` ("auto", "varlen" or "sdpa").
+    here), ``rotary_percent`` and ``kernel`` ("auto", "varlen", "cudnn" or "sdpa").
     """
 
     rotary_base: float | None = None
@@ -167,9 +167,9 @@ def dyncp_core_attention(
     ``rotary_base`` None: RoPE is left to the model (only correct without CP); otherwise RoPE is applied
     here from the true token positions and the model must be built with ``position_embedding_type="none"``.
     """
-    if kernel not in ("auto", "varlen", "sdpa"):
+    if kernel not in ("auto", "varlen", "cudnn", "sdpa"):
         hint = " ('te' is built by thd_layer_spec / te_core_attention)" if kernel == "te" else ""
-        raise ValueError(f"kernel must be 'auto', 'varlen' or 'sdpa', got {kernel!r}{hint}")
+        raise ValueError(f"kernel must be 'auto', 'varlen', 'cudnn' or 'sdpa', got {kernel!r}{hint}")
     name = "DynCPCoreAttention" if rotary_base is None else "DynCPCoreAttentionRoPE"
     return type(
         name,

@@ -41,7 +41,7 @@ def thd_layer_spec(
 ) -> ModuleSpec:
     """megatron-core's local GPT layer spec with DynCPCoreAttention, or with Transformer Engine's attention.
 
-    ``kernel``: "auto" / "varlen" / "sdpa" pick DynCPCoreAttention's kernel (no Transformer Engine);
+    ``kernel``: "auto" / "varlen" / "cudnn" / "sdpa" pick DynCPCoreAttention's kernel (no Transformer Engine);
     "te" uses :func:`verl_dyncp.te_attention.te_core_attention` (TE's fused attention and TE's own CP,
     ImportError naming the fix when TE is missing). RoPE is applied inside the attention when
     ``rotary_base`` is set (build the model with ``position_embedding_type="none"``, as

@@ -70,12 +70,15 @@ def rope_tables(
 
 
 def apply_rope_tables(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False, fused: bool = False
 ) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, dim]`` with precomputed :func:`rope_tables` (first ``rot_dim`` channels)."""
+    """Rotate ``x`` ``[T, heads, dim]`` with precomputed :func:`rope_tables` (first ``rot_dim`` channels).
+
+    ``fused``: one Triton kernel where it applies (verl_dyncp.fused_rope), else the torch ops.
+    """
     if cos.shape[0] != x.shape[0]:
         raise ValueError(f"rope tables hold {cos.shape[0]} positions for {x.shape[0]} tokens")
-    if fused_rope_applies(x, cos, interleaved=interleaved):
+    if fused and fused_rope_applies(x, cos, interleaved=interleaved):
         return fused_rope(x, cos, sin)  # one Triton kernel instead of five elementwise passes
     rot_dim = cos.shape[-1]
     rotated, passed = x[..., :rot_dim], x[..., rot_dim:]

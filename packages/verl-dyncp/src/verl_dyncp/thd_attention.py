@@ -26,9 +26,10 @@ balanced by the zigzag split. A ring (overlapped P2P) variant would cut the K/V 
 
 Kernels: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn`` (found by
 import; its causal flag is detected from the signature) with one query segment per chunk and
-bottom-right aligned causality. At CP size 1 under ``kernel="auto"``, sequences of at least
+bottom-right aligned causality. ``kernel="cudnn"`` (opt-in): at CP size 1 sequences of at least
 ``DENSE_MIN_TOKENS`` take one dense ``scaled_dot_product_attention`` call each (cuDNN's fused attention
-on Hopper, about twice FlashAttention-2's speed there) and the shorter ones one varlen call per run.
+on Hopper, about twice FlashAttention-2's speed there for the kernel alone), the shorter ones one varlen
+call per run, and q / k are rotated by one Triton kernel; under CP it is "varlen".
 Anywhere else, or with ``kernel="sdpa"``: one ``scaled_dot_product_attention`` per sequence with an
 explicit position mask (a one-time warning on CUDA).
 
@@ -520,10 +521,10 @@ def pick_kernel(q: torch.Tensor, *, kernel: str = "auto", dropout_p: float = 0.0
     if kernel == "sdpa":
         return "sdpa"
     fast_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
-    if kernel == "varlen":
+    if kernel in ("varlen", "cudnn"):
         if not (fast_ok and varlen_kernel_available()):
             raise RuntimeError(
-                "kernel='varlen' needs torch.nn.attention.varlen, a CUDA tensor in fp16/bf16 and no dropout"
+                f"kernel={kernel!r} needs torch.nn.attention.varlen, a CUDA tensor in fp16/bf16 and no dropout"
             )
         return "varlen"
     if fast_ok and varlen_kernel_available():
@@ -544,6 +545,7 @@ def local_rope_qk(
     position_ids: torch.Tensor | None,
     inv_freq: torch.Tensor | None,
     rotary_interleaved: bool,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check that ``query`` holds this rank's tokens of ``layout``; rotate q and k from the true positions.
 
@@ -569,8 +571,8 @@ def local_rope_qk(
     else:
         _, cos, sin = entry
     return (
-        apply_rope_tables(query, cos, sin, interleaved=rotary_interleaved),
-        apply_rope_tables(key, cos, sin, interleaved=rotary_interleaved),
+        apply_rope_tables(query, cos, sin, interleaved=rotary_interleaved, fused=fused),
+        apply_rope_tables(key, cos, sin, interleaved=rotary_interleaved, fused=fused),
     )
 
 
@@ -600,6 +602,7 @@ def thd_attention(
         position_ids=position_ids,
         inv_freq=inv_freq,
         rotary_interleaved=rotary_interleaved,
+        fused=kernel == "cudnn",
     )
     v = value
     group_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
@@ -610,7 +613,7 @@ def thd_attention(
         kv = _AllGatherRows.apply(torch.cat((k, v), dim=-1), cp_group)
         kv = kv.index_select(0, layout.stream_index if chosen == "varlen" else layout.full_index)
         k, v = kv.split((k.shape[-1], v.shape[-1]), dim=-1)
-    if chosen == "varlen" and layout.cp_size == 1 and kernel == "auto":
+    if chosen == "varlen" and layout.cp_size == 1 and kernel == "cudnn":
         out = _segmented_attention(q, k, v, layout=layout, scale=softmax_scale)
     elif chosen == "varlen":
         out = _varlen_attention(q, k, v, layout=layout, scale=softmax_scale)
