@@ -635,3 +635,34 @@ def test_attach_cp_context_switches_te_cp_off_for_cp_size_1() -> None:
     assert get_cp_context(params).size == 1
     if "cp_group" in packed_seq_params_fields():
         assert params.cp_group is None and params.local_cp_size == 1
+
+
+def test_layout_built_with_the_packed_seq_params_equals_the_one_the_forward_would_build() -> None:
+    """thd_packed_seq_params builds the attention layout up front (no sync or host work mid-forward);
+    at CP 1 it is a view of the meta and must equal build_thd_layout's, padded or not."""
+    import dataclasses
+
+    from verl_dyncp.thd import build_thd_meta
+    from verl_dyncp.thd_attention import build_thd_layout, thd_layout, thd_packed_seq_params
+
+    for tp in (1, 4):  # tp 4: sequences padded to the alignment
+        meta = build_thd_meta(seq_lens=[5, 130, 1, 77], cp_size=1, cp_rank=0, tp_size=tp, device="cpu")
+        params = thd_packed_seq_params(meta, cp_group=None)
+        cached = thd_layout(params, cp_size=1, cp_rank=0, device="cpu")
+        assert thd_layout(params, cp_size=1, cp_rank=0, device="cpu") is cached
+        fresh = build_thd_layout(
+            cu_seqlens=meta.cu_seqlens,
+            cu_seqlens_padded=meta.cu_seqlens_padded,
+            cp_size=1,
+            cp_rank=0,
+            device="cpu",
+        )
+        assert cached.has_padding == (tp > 1)
+        for f in dataclasses.fields(fresh):
+            if not f.compare:
+                continue
+            a, b = getattr(cached, f.name), getattr(fresh, f.name)
+            if isinstance(b, torch.Tensor):
+                assert a is not None and a.dtype == b.dtype and torch.equal(a, b), f.name
+            else:
+                assert a == b, f.name

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.thd import THDBatch, build_thd_meta, gather_slots, preprocess_thd_engine, thd_alignment
+from verl_mcore_utils.transfer import to_device_async
 
 __all__ = [
     "CPBlock",
@@ -558,10 +559,26 @@ def dynamic_cp_merge_output(
     gradients only into this rank's own tokens (sum of the ranks' gradients = the no-CP gradient).
     Dtype and trailing dims are kept. Dummy ranks' outputs are dropped.
     """
-    plan = micro_batch.plan
-    lens, index = _merge_index(plan, tp_size=micro_batch.batch.meta.tp_size)
+    lens, index = _merge_index_on(micro_batch, local_output.device)
     gathered = gather_slots(local_output, group=groups.full_group, rank=groups.position, lens=lens)
-    return gathered.index_select(0, index.to(gathered.device))
+    return gathered.index_select(0, index)
+
+
+_MERGE_CACHE_ATTR = "_verl_merge_index"
+
+
+def _merge_index_on(micro_batch: DynamicCPMicroBatch, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """:func:`_merge_index` of the micro-batch on ``device``, computed once per micro-batch (an engine merges
+    several outputs of each), copied without a host-device synchronisation."""
+    cache: dict[str, tuple[list[int], torch.Tensor]] | None = getattr(micro_batch, _MERGE_CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        object.__setattr__(micro_batch, _MERGE_CACHE_ATTR, cache)
+    key = str(device)
+    if key not in cache:
+        lens, index = _merge_index(micro_batch.plan, tp_size=micro_batch.batch.meta.tp_size)
+        cache[key] = (lens, to_device_async(index, device))
+    return cache[key]
 
 
 def global_loss_token_count(

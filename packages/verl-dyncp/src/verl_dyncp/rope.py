@@ -60,13 +60,28 @@ def rope_tables(
         raise ValueError(
             f"position_ids must be 1-D with one entry per token: got {tuple(position_ids.shape)}"
         )
-    inv = inv_freq.to(device=device, dtype=torch.float32)
+    inv = _on_device(inv_freq, torch.device(device))
     freqs = torch.outer(position_ids.to(device=device, dtype=torch.float32), inv)  # [T, rot/2]
     emb = (
         torch.stack((freqs, freqs), dim=-1).flatten(-2) if interleaved else torch.cat((freqs, freqs), dim=-1)
     )
     emb = emb.unsqueeze(1)  # broadcast over heads
     return torch.cos(emb).to(dtype), torch.sin(emb).to(dtype)
+
+
+_INV_FREQ_ON_DEVICE: dict[tuple[tuple[float, ...], str], torch.Tensor] = {}
+
+
+def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float32 ``inv_freq`` on ``device``, copied once per device (not once per micro-batch: a host copy to
+    the GPU waits for the GPU's queue to drain)."""
+    if inv_freq.device == device:
+        return inv_freq.to(torch.float32)
+    key = (tuple(inv_freq.tolist()), str(device))
+    cached = _INV_FREQ_ON_DEVICE.get(key)
+    if cached is None:
+        cached = _INV_FREQ_ON_DEVICE[key] = inv_freq.to(device=device, dtype=torch.float32)
+    return cached
 
 
 def apply_rope_tables(

@@ -132,7 +132,51 @@ def thd_packed_seq_params(meta: Any, *, cp_group: dist.ProcessGroup | None) -> A
         max_seqlen_q=meta.max_seqlen_padded,
         max_seqlen_kv=meta.max_seqlen_padded,
     )
-    return attach_cp_context(params, cp_group=cp_group)
+    params = attach_cp_context(params, cp_group=cp_group)
+    _prebuild_layout(params, meta)
+    return params
+
+
+def _prebuild_layout(params: Any, meta: Any) -> None:
+    """Build the attention's layout now, while the batch is prepared, and cache it for the forward.
+
+    Built in the first layer's attention instead, it would read cu_seqlens back from the GPU (a sync in
+    the middle of the forward) and run its index arithmetic on the host while the GPU waits. At CP size 1
+    it is a view of ``meta`` (no copy, no sync).
+    """
+    context = get_cp_context(params)
+    if (context.size, context.rank) != (meta.cp_size, meta.cp_rank):
+        return  # an unusual pairing: leave it to the forward
+    device = meta.position_ids.device
+    if context.size == 1:
+        padded = list(meta.padded_lens)
+        starts = tuple(itertools.accumulate(padded[:-1], initial=0))
+        layout = ThdLayout(
+            cp_size=1,
+            cp_rank=0,
+            num_local_tokens=sum(padded),
+            padded_lens=tuple(padded),
+            local_starts=starts,
+            full_starts=starts,
+            position_ids=meta.position_ids,
+            valid=~meta.is_padding,
+            full_index=None,
+            stream_index=None,
+            cu_seqlens_q=meta.cu_seqlens_padded,
+            cu_seqlens_k=meta.cu_seqlens_padded,
+            max_seqlen_q=max(padded),
+            max_seqlen_k=max(padded),
+            has_padding=padded != list(meta.seq_lens),
+        )
+    else:
+        layout = build_thd_layout(
+            cu_seqlens=meta.cu_seqlens,
+            cu_seqlens_padded=meta.cu_seqlens_padded,
+            cp_size=context.size,
+            cp_rank=context.rank,
+            device=device,
+        )
+    getattr(params, _LAYOUT_CACHE_ATTR)[(context.size, context.rank, str(device))] = layout
 
 
 def get_cp_context(packed_seq_params: Any, *, static_cp_group: dist.ProcessGroup | None = None) -> CPContext:

@@ -18,12 +18,13 @@ Every rule that can fail is checked here, before any collective, with the key na
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from verl_engine.packed import PackedBatch
+from verl_mcore_utils.transfer import to_device_async
 
 __all__ = ["RLBatch", "is_jagged", "read_scalar"]
 
@@ -61,6 +62,10 @@ class RLBatch:
     seq_cols: int
     response_cols: int
     jagged: bool
+    # response_view's index tensors per (micro-batch, device): see _response_index
+    _index_cache: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def size(self) -> int:
@@ -150,20 +155,30 @@ class RLBatch:
             raise ValueError(
                 "the batch has no response-level tensors (response_mask [B, R]); a loss on responses needs them"
             )
-        rows, cols, src = [], [], []
-        offset = 0
-        for row, i in enumerate(indices):
-            n, p, r = self.packed.seq_lens[i], self.prompt_lens[i], self.response_lens[i]
-            rows += [row] * r
-            cols += list(range(r))
-            src += list(range(offset + p - 1, offset + p - 1 + r))
-            offset += n
+        rows, cols, src = self._response_index(tuple(indices), merged.device)
         out = merged.new_zeros((len(indices), self.response_cols, *merged.shape[1:]))
-        if src:
-            index = torch.tensor(src, dtype=torch.int64, device=merged.device)
-            values = merged.index_select(0, index)
-            out = out.index_put((torch.tensor(rows), torch.tensor(cols)), values)
+        if src.numel():
+            out = out.index_put((rows, cols), merged.index_select(0, src))
         return out
+
+    def _response_index(
+        self, indices: tuple[int, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, column, packed slot) of every response token of ``indices`` on ``device``: built once per
+        micro-batch and device (a loss reads several outputs), copied without a host-device sync."""
+        key = (indices, str(device))
+        cache = self._index_cache
+        if key not in cache:
+            rows, cols, src = [], [], []
+            offset = 0
+            for row, i in enumerate(indices):
+                n, p, r = self.packed.seq_lens[i], self.prompt_lens[i], self.response_lens[i]
+                rows.append(torch.full((r,), row, dtype=torch.int64))
+                cols.append(torch.arange(r, dtype=torch.int64))
+                src.append(torch.arange(offset + p - 1, offset + p - 1 + r, dtype=torch.int64))
+                offset += n
+            cache[key] = tuple(to_device_async(torch.cat(t), device) for t in (rows, cols, src))  # type: ignore[assignment]
+        return cache[key]
 
     def to_input_layout(self, per_sequence: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-sequence label-aligned outputs (in batch order) back in the input's layout (detached)."""

@@ -501,8 +501,8 @@ class RLEngine(Closeable):
         entropy = bool(read_scalar(data, "calculate_entropy", False)) and not self.value_model
         scalars = self._loss_scalars(data, batch, temperature=temperature)
         per_seq: dict[str, list[torch.Tensor | None]] = {}
-        losses: list[float] = []
-        metrics: dict[str, list[float]] = {}
+        losses: list[torch.Tensor] = []
+        metrics: dict[str, list[Any]] = {}
         tracker = self._mtp_tracker(forward_only=forward_only, has_loss=loss_function is not None)
         mtp_packed = None  # the batch with its MTP targets (response tokens) as label mask
         mtp_counts: list[int] = []
@@ -529,12 +529,18 @@ class RLEngine(Closeable):
             loss_data = batch.rows(data, mb.indices, device=self.device) | scalars
             model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
             loss, mb_metrics = loss_function(model_output=model_output, data=loss_data, dp_group=None)
-            losses.append(float(loss.detach()) / self.pool_size)
+            # kept on the device and read once after the schedule: a float() here would make the host wait
+            # for this micro-batch's forward before it can queue the backward (the GPU would run dry)
+            losses.append(loss.detach())
             for key, value in mb_metrics.items():
-                metrics.setdefault(key, []).append(float(value))
+                metrics.setdefault(key, []).append(
+                    value.detach() if isinstance(value, torch.Tensor) else value
+                )
             return loss if mtp_term is None else loss + mtp_term
 
         self.backend.run(self, micro, step, forward_only=forward_only)
+        loss_values = [float(v) / self.pool_size for v in losses]
+        metrics = {k: [float(v) for v in values] for k, values in metrics.items()}
         flat: dict[str, torch.Tensor] | None = None
         extra: Any = None
         if self.pipeline.is_last_stage:
@@ -545,7 +551,7 @@ class RLEngine(Closeable):
             }
             if tracker is not None:  # every last-stage rank joins the pool's reduction (see verl_engine.mtp)
                 summary.update(tracker.reduce(group=self.cp_groups.full_group))
-            extra = (sum(losses), summary)
+            extra = (sum(loss_values), summary)
         sizes = {key: sum(batch.packed.seq_lens) for key in self._output_keys(entropy)}
         flat, (loss_total, summary) = share_from_last_stage(
             self.pipeline, tensors=flat, sizes=sizes, extra=extra, device=self.device
@@ -738,7 +744,7 @@ class RLEngine(Closeable):
                 slots = per_seq.setdefault(key, [None] * batch.size)
                 piece = values[offset : offset + n].detach().clone()
                 if key != "values":
-                    piece[n - 1] = 0.0  # the last token predicts nothing
+                    piece[n - 1 :].zero_()  # the last token predicts nothing (no host scalar copied over)
                 slots[i] = piece
             offset += n
 
