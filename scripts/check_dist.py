@@ -85,7 +85,7 @@ def _check_files(
         reason = _forbidden(name)
         if reason:
             problems.append(f"{what}: {name} is a {reason}; it must not be published")
-        elif name.startswith(base):
+        elif name.startswith(f"{base}{package.module}/"):
             packaged.add(name.removeprefix(base))
         elif name not in top:
             problems.append(f"{what}: {name} is a stray file (not the package's source, metadata or license)")
