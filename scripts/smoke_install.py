@@ -168,25 +168,29 @@ def check_package(python: Path, *, package: str, version: str, present: set[str]
             _run([str(venv / "bin" / exe), *args], what=f"{exe} {' '.join(args)}", cwd=Path(empty))
 
 
-def smoke(dist: Path, *, work: Path, root: Path = ROOT) -> None:
+def smoke_config(dist: Path, *, work: Path, root: Path = ROOT) -> None:
+    """verl-config alone in its own venv; fails if torch got installed with it."""
     packages = read_packages(root)
-    version = {name: p.version for name, p in packages.items()}
-    ours = set(packages)
-
+    version = packages["verl-config"].version
     print("venv config: verl-config alone", flush=True)
     python = create_venv(work / "config")
     install_third_party(python, package="verl-config", root=root)
-    install_ours(python, package="verl-config", version=version["verl-config"], find_links=dist)
+    install_ours(python, package="verl-config", version=version, find_links=dist)
     check_package(
         python,
         package="verl-config",
-        version=version["verl-config"],
+        version=version,
         present={"verl-config"},
-        absent=ours - {"verl-config"},
+        absent=set(packages) - {"verl-config"},
     )
     if "torch" in installed(python):
         raise SmokeError("verl-config: torch was installed with it; verl-config must not depend on torch")
 
+
+def smoke_torch(dist: Path, *, work: Path, root: Path = ROOT) -> None:
+    """The torch packages in one venv, each used with only its declared siblings installed."""
+    packages = read_packages(root)
+    ours = set(packages)
     print("venv torch: verl-mcore-utils, verl-dyncp, verl-mfsdp, verl-engine in turn", flush=True)
     python = create_venv(work / "torch")
     steps = [
@@ -201,11 +205,10 @@ def smoke(dist: Path, *, work: Path, root: Path = ROOT) -> None:
                 [uv(), "pip", "uninstall", "--quiet", "--python", str(python), "verl-dyncp"],
                 what="remove verl-dyncp",
             )
+        version = packages[package].version
         install_third_party(python, package=package, root=root)
-        install_ours(python, package=package, version=version[package], find_links=dist)
-        check_package(
-            python, package=package, version=version[package], present=present, absent=ours - present
-        )
+        install_ours(python, package=package, version=version, find_links=dist)
+        check_package(python, package=package, version=version, present=present, absent=ours - present)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        smoke(args.dist.resolve(), work=args.work.resolve())
+        smoke_config(args.dist.resolve(), work=args.work.resolve())
+        smoke_torch(args.dist.resolve(), work=args.work.resolve())
     except SmokeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -140,3 +140,11 @@ def test_megatron_core_bounds_agree_everywhere() -> None:
     assert minors == expected, (
         f"noxfile.MCORE_VERSIONS {matrix} should hold one release of each of {expected}"
     )
+
+
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_each_package_ships_the_workspace_license(dist: str) -> None:
+    """Every package carries the root Apache-2.0 LICENSE and names it, so wheel and sdist include it."""
+    meta = _pyproject(dist)["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert (ROOT / "packages" / dist / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()

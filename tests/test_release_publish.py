@@ -124,6 +124,29 @@ def test_content_check_names_each_bad_file(dist: Path, tmp_path: Path) -> None:
     assert check_dist.main([str(bad_wheel)]) == 1
 
 
+def test_smoke_install_passes_verl_config_alone_and_refuses_one_that_pulls_torch(
+    dist: Path, tmp_path: Path
+) -> None:
+    package = PACKAGES["verl-config"]
+    wheel = dist / f"{package.module}-{package.version}-py3-none-any.whl"
+    good = tmp_path / "good"
+    good.mkdir()
+    shutil.copy(wheel, good / wheel.name)
+    smoke_install.smoke_config(good, work=tmp_path / "venvs")
+    # The same wheel with one more requirement, torch: its install from the wheels alone must fail.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    metadata = f"{package.module}-{package.version}.dist-info/METADATA"
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(bad / wheel.name, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == metadata:
+                data = data.replace(b"Requires-Dist: ", b"Requires-Dist: torch>=2.6\nRequires-Dist: ", 1)
+            dst.writestr(item, data)
+    with pytest.raises(smoke_install.SmokeError, match=r"install verl-config .* failed[\s\S]*torch"):
+        smoke_install.smoke_config(bad, work=tmp_path / "venvs")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

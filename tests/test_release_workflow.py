@@ -66,6 +66,7 @@ def test_workflow_runs_on_release_tags_only_and_publishes_with_trusted_publishin
     assert 'scripts/release_tag.py "$GITHUB_REF_NAME" --github-output' in runs
     assert 'uv build --package "$PACKAGE" --no-sources --out-dir dist' in runs
     assert "--dist dist" in runs and "twine check --strict" in runs and "scripts/check_dist.py" in runs
+    assert "scripts/bump_version.py --check" in runs  # sibling ranges agree with the versions
     assert "${{" not in runs  # values reach the shell through env, never pasted into the script
     for job in flow["jobs"].values():
         for step in job["steps"]:
