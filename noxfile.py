@@ -4,6 +4,9 @@
     uv run nox -s tests              # every megatron-core version below
     uv run nox -s "tests(mcore='0.16.1')"
     uv run nox -s wheelhouse -- --mcore 0.19.2 --out wheelhouse
+    uv run nox -s build              # wheel + sdist of each package into dist/, checked, each installed alone
+    uv run nox -s release            # release tooling tests, incl. publishing to a local index (in CI)
+    uv run nox -s bump -- --package verl-config --version 0.1.0   # then commit pyproject files + uv.lock
 
 Each test session installs the workspace from uv.lock (uv sync --frozen) into its own virtualenv and
 then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.14 / 0.15).
@@ -11,7 +14,9 @@ then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 
 import nox
 
@@ -78,7 +83,12 @@ def tests(session: nox.Session, mcore: str) -> None:
     # `above_engine` tests drive the engine only through its public API (the GRPO loop, the Ray launcher, the
     # documented example): what they add per release is covered by the engine's own tests, so they run
     # against the newest megatron-core only.
-    marks = "not gpu" if mcore == MCORE_VERSIONS[-1] else "not gpu and not above_engine"
+    # `release` tests need the release tool group and run once, in the `release` session.
+    marks = (
+        "not gpu and not release"
+        if mcore == MCORE_VERSIONS[-1]
+        else "not gpu and not above_engine and not release"
+    )
     for pkg in PACKAGES:
         tests_dir = f"packages/{pkg}/tests"
         if any(f.startswith("test_") for f in os.listdir(tests_dir)):
@@ -90,3 +100,43 @@ def tests(session: nox.Session, mcore: str) -> None:
 def wheelhouse(session: nox.Session) -> None:
     """Offline wheels for an air-gapped GPU host (see scripts/wheelhouse.py for the options)."""
     session.run("python", "scripts/wheelhouse.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Wheel + sdist of every package into dist/, checked (twine, contents, ranges), each wheel installed alone.
+
+    The smoke installs (scripts/smoke_install.py) take about a minute, mostly importing torch and
+    megatron-core; CI runs the cheaper `release` session instead, which builds and checks the same
+    artifacts and installs verl-dyncp from a local package index.
+    """
+    _sync(session, "--only-group", "release")
+    shutil.rmtree("dist", ignore_errors=True)
+    # --no-sources: build as a plain PEP 517 frontend would, without the workspace's [tool.uv.sources].
+    session.run("uv", "build", "--all-packages", "--no-sources", "--out-dir", "dist", external=True)
+    artifacts = sorted(glob.glob("dist/*.whl") + glob.glob("dist/*.tar.gz"))
+    session.run("twine", "check", "--strict", *artifacts)
+    session.run("python", "scripts/check_dist.py", "dist")
+    session.run("python", "scripts/bump_version.py", "--check")
+    session.run(
+        "python", "scripts/smoke_install.py", "--dist", "dist", "--work", os.path.join(".nox", "smoke")
+    )
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def release(session: nox.Session) -> None:
+    """Release tooling: version ranges, tag rules, workflow schema, and build + upload + install from a local index."""
+    _sync(session, "--only-group", "release")
+    junit = os.path.join(".nox", "junit", "release.xml")
+    tests = sorted(glob.glob("tests/test_release_*.py"))
+    session.run(
+        "python", "-m", "pytest", *tests, "-q", "-m", "release", f"--junitxml={junit}", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON, venv_backend="none")
+def bump(session: nox.Session) -> None:
+    """Bump one package's version and its dependants' ranges (scripts/bump_version.py), then re-lock."""
+    session.run("python", "scripts/bump_version.py", *session.posargs)
+    if "--check" not in session.posargs:
+        session.run("uv", "lock", external=True)

@@ -85,3 +85,66 @@ def test_mcore_utils_public_names_are_listed_once_each_way() -> None:
     eager = {"ddp_config_fields", "import_megatron_core", "mcore_version", "prepare_megatron_import"}
     assert typed == set(verl_mcore_utils._LAZY)
     assert sorted(verl_mcore_utils.__all__) == sorted(eager | set(verl_mcore_utils._LAZY))
+
+
+def test_megatron_core_bounds_agree_everywhere() -> None:
+    """compat.MIN_MCORE / MAX_MCORE_EXCLUSIVE, each pyproject's megatron-core range and noxfile's test matrix.
+
+    The supported range is written in six places; a release that widens it in one must widen it in all,
+    and the nox matrix must test every minor release inside it (the oldest and newest run in CI).
+    """
+    import ast
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from verl_mcore_utils import compat
+
+    low, high = compat.MIN_MCORE, compat.MAX_MCORE_EXCLUSIVE
+    declared = {}
+    for dist in PACKAGES:
+        for text in _pyproject(dist)["project"]["dependencies"]:
+            req = Requirement(text)
+            if req.name == "megatron-core":
+                declared[dist] = req.specifier
+    assert set(declared) == set(PACKAGES) - {"verl-config"}, (
+        f"megatron-core is declared by {sorted(declared)}"
+    )
+    for dist, spec in declared.items():
+        bounds = {(s.operator, Version(s.version)) for s in spec}
+        assert bounds == {(">=", low), ("<", high)}, (
+            f"packages/{dist}/pyproject.toml: megatron-core{spec} but compat.py supports {low} <= version < {high}"
+        )
+    # The install hint compat.py prints names the same range.
+    hints = re.findall(r"megatron-core([<>=][^'\"]*)", Path(compat.__file__).read_text())
+    assert hints, "compat.py no longer names the megatron-core range in its install hint"
+    for hint in hints:
+        assert {(s.operator, Version(s.version)) for s in SpecifierSet(hint)} == {(">=", low), ("<", high)}, (
+            hint
+        )
+    # noxfile.MCORE_VERSIONS, read without importing nox: one release of every minor version in the range.
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    (matrix,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MCORE_VERSIONS"
+    ]
+    versions = [Version(v) for v in matrix]
+    assert versions == sorted(versions) and all(low <= v < high for v in versions), (matrix, low, high)
+    minors = [(v.major, v.minor) for v in versions]
+    assert low.major == high.major, (
+        "the range spans a major release: say here which minors the matrix must hold"
+    )
+    expected = [(low.major, m) for m in range(low.minor, high.minor)]
+    assert minors == expected, (
+        f"noxfile.MCORE_VERSIONS {matrix} should hold one release of each of {expected}"
+    )
+
+
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_each_package_ships_the_workspace_license(dist: str) -> None:
+    """Every package carries the root Apache-2.0 LICENSE and names it, so wheel and sdist include it."""
+    meta = _pyproject(dist)["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert (ROOT / "packages" / dist / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()

@@ -6,6 +6,8 @@ their conversions to the keyword arguments of the lower layers, the LoRA block a
 translation, the override parser, the generated reference configs, the error types and checks.
 """
 
+from importlib import metadata as _metadata
+
 from verl_config.compose import ENTRIES, compose_config, default_tree, load_config
 from verl_config.engines import (
     DTYPES,
@@ -62,7 +64,7 @@ from verl_config.sft import (
 )
 from verl_config.validation import check_choice, check_parallel_layout, check_positive
 
-__version__ = "0.1.0.dev0"
+__version__ = _metadata.version("verl-config")  # single source: pyproject.toml
 
 __all__ = [
     "DEFAULT_LORA_ALPHA",

@@ -19,6 +19,7 @@ The megatron-dependent names are imported lazily, so the torch-only parts (group
 attention math) can be used, and spawned test ranks start, without importing megatron-core.
 """
 
+from importlib import metadata as _metadata
 from typing import Any
 
 from verl_dyncp.groups import CPGroup, CPGroups
@@ -47,7 +48,7 @@ from verl_dyncp.thd import (
 )
 from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention, thd_packed_seq_params
 
-__version__ = "0.1.0.dev0"
+__version__ = _metadata.version("verl-dyncp")  # single source: pyproject.toml
 
 _LAZY = {
     "DynCPCoreAttention": "verl_dyncp.attention",

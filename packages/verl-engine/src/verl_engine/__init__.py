@@ -22,9 +22,10 @@ Names load on first use (PEP 562): importing the package does not import megatro
 ranks and torch-only users start fast.
 """
 
+from importlib import metadata as _metadata
 from typing import Any
 
-__version__ = "0.1.0.dev0"
+__version__ = _metadata.version("verl-engine")  # single source: pyproject.toml
 
 _LAZY: dict[str, str] = {
     "Batch": "verl_engine.data",

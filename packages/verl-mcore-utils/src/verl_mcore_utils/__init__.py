@@ -18,6 +18,7 @@ Public API:
 * Tests: :func:`run_distributed`, tiny Qwen2 presets, :mod:`hf_testing` (tiny random HF checkpoints).
 """
 
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 # Only the version helpers load eagerly. The rest is imported on first use (PEP 562), so that
@@ -112,7 +113,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'verl_mcore_utils' has no attribute {name!r}")
 
 
-__version__ = "0.1.0.dev0"
+__version__ = _metadata.version("verl-mcore-utils")  # single source: pyproject.toml
 
 # Written out for linters and IDEs; tests/test_packaging.py checks it is exactly the eager helpers + _LAZY.
 __all__ = [

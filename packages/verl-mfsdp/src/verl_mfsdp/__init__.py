@@ -3,6 +3,8 @@
 Every name below is importable from the package root; the submodules say why each piece exists.
 """
 
+from importlib import metadata as _metadata
+
 from verl_mfsdp.checkpoint import (
     CHECKPOINT_INFO_FILE,
     load_megatron_fsdp_checkpoint,
@@ -26,7 +28,7 @@ from verl_mfsdp.wrap import (
     synchronize_megatron_fsdp_params,
 )
 
-__version__ = "0.1.0.dev0"
+__version__ = _metadata.version("verl-mfsdp")  # single source: pyproject.toml
 
 __all__ = [
     "CHECKPOINT_INFO_FILE",
