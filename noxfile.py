@@ -4,6 +4,7 @@
     uv run nox -s tests              # every megatron-core version below
     uv run nox -s "tests(mcore='0.16.1')"
     uv run nox -s wheelhouse -- --mcore 0.19.2 --out wheelhouse
+    uv run nox -s docs               # the docs site: mkdocs build --strict into site/
 
 Each test session installs the workspace from uv.lock (uv sync --frozen) into its own virtualenv and
 then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.14 / 0.15).
@@ -84,6 +85,18 @@ def tests(session: nox.Session, mcore: str) -> None:
         if any(f.startswith("test_") for f in os.listdir(tests_dir)):
             _pytest(session, tests_dir, f"{pkg}-mcore{mcore}", marks=marks)
     _pytest(session, "tests", f"cross-mcore{mcore}", marks=marks)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The docs site: the compatibility page is current, then mkdocs build --strict into site/.
+
+    Only the docs group is installed: mkdocstrings reads the packages' sources statically (mkdocs.yml's paths),
+    so neither torch nor megatron-core is needed.
+    """
+    _sync(session, "--only-group", "docs")
+    session.run("python", "scripts/compat_matrix.py", "render", "--check")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON, venv_backend="none")
