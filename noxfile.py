@@ -65,6 +65,18 @@ def config(session: nox.Session) -> None:
     _pytest(session, "packages/verl-config/tests", "verl-config")
 
 
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The docs site: the compatibility page is current, then mkdocs build --strict into site/.
+
+    Only the docs group is installed: mkdocstrings reads the packages' sources statically (mkdocs.yml's paths),
+    so neither torch nor megatron-core is needed.
+    """
+    _sync(session, "--only-group", "docs")
+    session.run("python", "scripts/compat_matrix.py", "render", "--check")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
+
+
 @nox.session(python=PYTHON)
 @nox.parametrize(
     "mcore", [nox.param(v, id=v, tags=["ci"] if v in CI_MCORE_VERSIONS else []) for v in MCORE_VERSIONS]
@@ -85,18 +97,6 @@ def tests(session: nox.Session, mcore: str) -> None:
         if any(f.startswith("test_") for f in os.listdir(tests_dir)):
             _pytest(session, tests_dir, f"{pkg}-mcore{mcore}", marks=marks)
     _pytest(session, "tests", f"cross-mcore{mcore}", marks=marks)
-
-
-@nox.session(python=PYTHON, tags=["ci"])
-def docs(session: nox.Session) -> None:
-    """The docs site: the compatibility page is current, then mkdocs build --strict into site/.
-
-    Only the docs group is installed: mkdocstrings reads the packages' sources statically (mkdocs.yml's paths),
-    so neither torch nor megatron-core is needed.
-    """
-    _sync(session, "--only-group", "docs")
-    session.run("python", "scripts/compat_matrix.py", "render", "--check")
-    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON, venv_backend="none")
