@@ -164,11 +164,16 @@ def _documented(dist: str) -> set[str]:
     return covered
 
 
-@pytest.mark.above_engine  # imports each package (verl_mfsdp imports megatron-core): newest megatron-core only
 @pytest.mark.parametrize("dist", list(PACKAGES))
 def test_api_reference_covers_every_public_name(dist: str) -> None:
-    package = importlib.import_module(PACKAGES[dist])
-    missing = sorted(set(package.__all__) - _documented(dist))
+    init = _module_file(PACKAGES[dist])
+    assert init is not None
+    # a literal __all__ is read from the source (verl_mfsdp's import pulls in megatron-core); a computed one
+    # (verl_engine's sorted(_LAZY)) from the imported package, whose names load lazily
+    public = _static_all(init)
+    if public is None:
+        public = set(importlib.import_module(PACKAGES[dist]).__all__)
+    missing = sorted(public - _documented(dist))
     assert not missing, (
         f"docs/packages/{dist}.md has no API entry for {missing}: add '::: <defining module>.<name>' lines"
     )
