@@ -2,11 +2,12 @@
 
     uv run nox -t ci                 # what CI runs: lint, verl-config alone, oldest + newest megatron-core
     uv run nox -s tests              # every megatron-core version below
-    uv run nox -s "tests(mcore='0.16.1')"
+    uv run nox -s "tests(0.16.1)"
     uv run nox -s wheelhouse -- --mcore 0.19.2 --out wheelhouse
     uv run nox -s build              # wheel + sdist of each package into dist/, checked, each installed alone
     uv run nox -s release            # release tooling tests, incl. publishing to a local index (in CI)
     uv run nox -s bump -- --package verl-config --version 0.1.0   # then commit pyproject files + uv.lock
+    uv run nox -s docs               # the docs site: mkdocs build --strict into site/
 
 Each test session installs the workspace from uv.lock (uv sync --frozen) into its own virtualenv and
 then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.14 / 0.15).
@@ -67,6 +68,18 @@ def config(session: nox.Session) -> None:
     )
     session.run("verl-config", "generate", "--check")  # fails when the checked-in reference configs are stale
     _pytest(session, "packages/verl-config/tests", "verl-config")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The docs site: the compatibility page is current, then mkdocs build --strict into site/.
+
+    Only the docs group is installed: mkdocstrings reads the packages' sources statically (mkdocs.yml's paths),
+    so neither torch nor megatron-core is needed.
+    """
+    _sync(session, "--only-group", "docs")
+    session.run("python", "scripts/compat_matrix.py", "render", "--check")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON)
