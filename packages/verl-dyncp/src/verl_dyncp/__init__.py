@@ -46,6 +46,11 @@ from verl_dyncp.thd import (
     preprocess_thd_engine,
 )
 from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention, thd_packed_seq_params
+from verl_mcore_utils.compat import prepare_megatron_import
+
+# Before any module of this package imports megatron-core (Python runs this file first): check the release
+# and prepare a GPU-less machine. The modules imported above do not import megatron-core.
+prepare_megatron_import()
 
 __version__ = "0.1.0.dev0"
 

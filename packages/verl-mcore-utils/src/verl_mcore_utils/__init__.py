@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 # Only the version helpers load eagerly. The rest is imported on first use (PEP 562), so that
 # ``import verl_mcore_utils.testing`` (the spawned-rank runner) or the compat helpers do not pull in
-# megatron-core (10-25 s per process on a small CPU machine). prepare_megatron_import() only sets the
-# environment megatron-core 0.15 needs to import on a GPU-less machine, before any submodule imports it.
+# megatron-core (10-25 s per process on a small CPU machine). prepare_megatron_import() checks the installed
+# release and sets the environment megatron-core 0.15 needs on a GPU-less machine; Python runs this file
+# before any submodule, so the submodules import megatron-core at their top.
 from verl_mcore_utils.compat import (
     ddp_config_fields,
     import_megatron_core,

@@ -13,10 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_mcore_utils.compat import ddp_config_fields, import_megatron_core
+from megatron.core.distributed import DistributedDataParallelConfig
 
-import_megatron_core()
-from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
+from verl_mcore_utils.compat import ddp_config_fields
 
 __all__ = ["WrapConfig", "build_ddp_config"]
 

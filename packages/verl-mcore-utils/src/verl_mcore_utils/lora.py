@@ -87,14 +87,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from verl_config.lora import HF_TO_MCORE, MCORE_LINEAR_MODULES, LoraConfig, translate_target_modules
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-
-from verl_mcore_utils.weights import (  # noqa: E402
+from verl_mcore_utils.weights import (
     LAYER_MODULE_MAP,
     HFDims,
     export_hf_weights,

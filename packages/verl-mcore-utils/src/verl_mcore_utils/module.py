@@ -24,17 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.transformer.module import Float16Module  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from verl_mcore_utils.ddp import WrapConfig, build_ddp_config  # noqa: E402
-from verl_mcore_utils.model import build_gpt_model  # noqa: E402
+from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+from verl_mcore_utils.model import build_gpt_model
 
 __all__ = [
     "GPTModelProvider",
