@@ -73,21 +73,29 @@ def test_verl_config_has_no_torch_dependency() -> None:
     assert not [r for r in requires if r.lower().startswith(("torch", "megatron"))], requires
 
 
-def test_mcore_utils_public_names_are_listed_once_each_way() -> None:
-    """verl_mcore_utils' lazy table, its TYPE_CHECKING imports and __all__ name the same API."""
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_lazy_public_names_are_written_once(dist: str) -> None:
+    """A package that loads names on first use lists each one once, in ``_LAZY`` (name -> module).
+
+    ``__all__`` is derived from it, and the TYPE_CHECKING re-exports (for type checkers and IDEs, where
+    present) must import exactly those names from those modules.
+    """
     import ast
 
-    import verl_mcore_utils
-
-    source = Path(verl_mcore_utils.__file__).read_text()
-    typed: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    module = importlib.import_module(PACKAGES[dist])
+    lazy: dict[str, str] = getattr(module, "_LAZY", {})
+    assert len(module.__all__) == len(set(module.__all__)), f"{dist}: __all__ repeats a name"
+    assert set(lazy) <= set(module.__all__), f"{dist}: lazy names missing from __all__"
+    for name, source in lazy.items():
+        assert hasattr(importlib.import_module(source), name), f"{dist}: _LAZY says {source}.{name}"
+    typed: dict[str, str] = {}
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             for stmt in node.body:
-                typed.update(alias.asname or alias.name for alias in getattr(stmt, "names", []))
-    eager = {"ddp_config_fields", "import_megatron_core", "mcore_version", "prepare_megatron_import"}
-    assert typed == set(verl_mcore_utils._LAZY)
-    assert sorted(verl_mcore_utils.__all__) == sorted(eager | set(verl_mcore_utils._LAZY))
+                assert isinstance(stmt, ast.ImportFrom) and stmt.module, ast.dump(stmt)
+                typed.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    if typed:
+        assert typed == lazy, f"{dist}: the TYPE_CHECKING imports and _LAZY differ"
 
 
 def _imports_megatron_at_top(path: Path) -> bool:

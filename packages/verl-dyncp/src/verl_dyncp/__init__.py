@@ -62,27 +62,23 @@ _LAZY = {
     "build_thd_gpt_model": "verl_dyncp.model",
 }
 
-__all__ = [
+__all__ = [  # the names imported above, then every lazy name
     "CPContext",
     "CPGroup",
     "CPGroups",
-    "DynCPCoreAttention",
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
     "THDBatch",
-    "THDGPTModelProvider",
     "THDPackedMeta",
     "WorkloadModel",
     "all_reduce_loss",
     "attach_cp_context",
-    "build_thd_gpt_model",
     "build_thd_meta",
     "dynamic_cp_merge_output",
     "dynamic_cp_size",
     "dynamic_cp_split_batch",
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
-    "dyncp_core_attention",
     "global_loss_token_count",
     "normalize_token_loss",
     "plan_dynamic_cp",
@@ -92,8 +88,8 @@ __all__ = [
     "te_attention_available",
     "te_core_attention",
     "thd_attention",
-    "thd_layer_spec",
     "thd_packed_seq_params",
+    *_LAZY,
 ]
 
 
