@@ -374,7 +374,7 @@ def build_mbridge_model(
 
 # mbridge's get_model wraps with DDP defaults {grad_reduce_in_fp32: True, use_distributed_optimizer: True}.
 # Only the first is a path default here: use_distributed_optimizer always comes from the wrap config
-# (verl's PR #5775 bug was mbridge's True silently winning over the user's False).
+# (in verl, mbridge's True once silently won over a user's False).
 MBRIDGE_DDP_DEFAULTS: dict[str, Any] = {"grad_reduce_in_fp32": True}
 
 

@@ -1,4 +1,4 @@
-"""The one place a DistributedDataParallelConfig is made (verl-features.md, section 1).
+"""The one place a DistributedDataParallelConfig is made, so no construction path can drop a user setting.
 
 Rule, the same for every model-construction path: when wrapping, start from the path's defaults,
 put the wrap config's ``use_distributed_optimizer`` (and ``use_megatron_fsdp``) on top, then the

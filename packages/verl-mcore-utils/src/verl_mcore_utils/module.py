@@ -1,10 +1,9 @@
 """make_megatron_module: build model chunks through a provider, then wrap them, one way for every path.
 
-verl's bug (PR #5775) came from three construction paths each making its own DDP config; one of them
-never passed ``use_distributed_optimizer``. Here the paths differ ONLY in how unwrapped chunks are
-built (a :class:`ModelProvider`); hooks, mixed precision, value head and DDP wrapping are done by
-one function, and the DDP config comes from :func:`verl_mcore_utils.ddp.build_ddp_config` with the
-provider's ``ddp_defaults`` as the lowest layer (path defaults < wrap config < override_ddp_config).
+The paths differ ONLY in how unwrapped chunks are built (a :class:`ModelProvider`); hooks, mixed
+precision, value head and DDP wrapping are done by one function, and the DDP config comes from
+:func:`verl_mcore_utils.ddp.build_ddp_config` with the provider's ``ddp_defaults`` as the lowest layer
+(path defaults < wrap config < override_ddp_config). Why: see the README's design notes.
 
 The provider protocol (also implemented by the mbridge path and by any user object)::
 
