@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -70,21 +73,83 @@ def test_verl_config_has_no_torch_dependency() -> None:
     assert not [r for r in requires if r.lower().startswith(("torch", "megatron"))], requires
 
 
-def test_mcore_utils_public_names_are_listed_once_each_way() -> None:
-    """verl_mcore_utils' lazy table, its TYPE_CHECKING imports and __all__ name the same API."""
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_lazy_public_names_are_written_once(dist: str) -> None:
+    """A package that loads names on first use lists each one once, in ``_LAZY`` (name -> module).
+
+    ``__all__`` is derived from it, and the TYPE_CHECKING re-exports (for type checkers and IDEs, where
+    present) must import exactly those names from those modules.
+    """
     import ast
 
-    import verl_mcore_utils
-
-    source = Path(verl_mcore_utils.__file__).read_text()
-    typed: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    module = importlib.import_module(PACKAGES[dist])
+    lazy: dict[str, str] = getattr(module, "_LAZY", {})
+    assert len(module.__all__) == len(set(module.__all__)), f"{dist}: __all__ repeats a name"
+    assert set(lazy) <= set(module.__all__), f"{dist}: lazy names missing from __all__"
+    for name, source in lazy.items():
+        assert hasattr(importlib.import_module(source), name), f"{dist}: _LAZY says {source}.{name}"
+    typed: dict[str, str] = {}
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             for stmt in node.body:
-                typed.update(alias.asname or alias.name for alias in getattr(stmt, "names", []))
-    eager = {"ddp_config_fields", "import_megatron_core", "mcore_version", "prepare_megatron_import"}
-    assert typed == set(verl_mcore_utils._LAZY)
-    assert sorted(verl_mcore_utils.__all__) == sorted(eager | set(verl_mcore_utils._LAZY))
+                assert isinstance(stmt, ast.ImportFrom) and stmt.module, ast.dump(stmt)
+                typed.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    if typed:
+        assert typed == lazy, f"{dist}: the TYPE_CHECKING imports and _LAZY differ"
+
+
+def _imports_megatron_at_top(path: Path) -> bool:
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        if any(name == "megatron" or name.startswith("megatron.") for name in names):
+            return True
+    return False
+
+
+def _first_megatron_module_per_package() -> list[str]:
+    """One module per package that imports megatron-core at its top (the package __init__ runs before any)."""
+    found = []
+    for dist, module_name in PACKAGES.items():
+        src = ROOT / "packages" / dist / "src" / module_name
+        modules = sorted(
+            p for p in src.glob("*.py") if p.name != "__init__.py" and _imports_megatron_at_top(p)
+        )
+        if modules:
+            found.append(f"{module_name}.{modules[0].stem}")
+    return found
+
+
+@pytest.mark.parametrize("module_name", _first_megatron_module_per_package())
+def test_megatron_is_imported_only_after_the_package_prepared_it(module_name: str) -> None:
+    """Our modules import megatron-core at their top, with no call before the imports: the package
+    ``__init__`` (which Python runs first) calls prepare_megatron_import(). Checked in a fresh process at the
+    moment megatron-core is first imported (the process stops there, so megatron-core is never loaded)."""
+    code = f"""
+import os, sys
+
+class StopAtMegatron:
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron":
+            import torch
+            prepared = "TORCH_CUDA_ARCH_LIST" in os.environ or torch.cuda.is_available()
+            raise SystemExit(0 if prepared else 3)
+
+sys.meta_path.insert(0, StopAtMegatron())
+import {module_name}
+raise SystemExit(4)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_ARCH_LIST"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 4, f"{module_name} did not import megatron-core"
+    assert result.returncode == 0, (
+        f"{module_name} imported megatron-core before prepare_megatron_import ran: {result}"
+    )
 
 
 def test_megatron_core_bounds_agree_everywhere() -> None:

@@ -120,3 +120,75 @@ def test_imports_without_torch() -> None:
         " assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``verl-config`` command in a fresh process (no state shared with the tests)."""
+    return subprocess.run(
+        [sys.executable, "-m", "verl_config.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_show_needs_no_run_time_keys() -> None:
+    """`verl-config show`, bare or with overrides, prints the resolved defaults; the micro-batch sizes a
+    run must still set are null there, and only validate asks for them."""
+    bare = _cli("show")
+    assert bare.returncode == 0, bare.stderr
+    assert "ppo_micro_batch_size_per_gpu: null" in bare.stdout and "model_engine: fsdp" in bare.stdout
+    assert "error" not in bare.stderr
+    megatron = _cli("show", "model_engine=megatron", "actor_rollout_ref.actor.optim.lr=3e-6")
+    assert megatron.returncode == 0, megatron.stderr
+    assert "strategy: megatron" in megatron.stdout and "lr: 3.0e-06" in megatron.stdout
+
+
+def test_validate_reports_every_error_at_once() -> None:
+    """Three unrelated mistakes (a misspelt key, a value of the wrong type, a missing micro-batch size)
+    come back from one run, each on its own line with its key and the fix."""
+    result = _cli(
+        "validate",
+        "critic.enable=false",
+        "actor_rollout_ref.actor.optim.lrr=1e-6",
+        "actor_rollout_ref.rollout.n=many",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("verl-config: error: ")]
+    assert len(errors) == 3, result.stderr
+    assert "unknown config key 'actor_rollout_ref.actor.optim.lrr'; did you mean" in errors[0]
+    assert "actor_rollout_ref.rollout.n: Value 'many'" in errors[1]
+    assert errors[2].startswith(
+        "verl-config: error: actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu: is null"
+    )
+    assert "set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu" in errors[2]
+    assert result.stderr.rstrip().endswith("verl-config: 3 errors")
+    assert "config is valid" not in result.stdout
+
+
+def test_load_config_raises_one_error_carrying_the_list() -> None:
+    from verl_config import ConfigErrors, ConfigValueError, load_config
+
+    with pytest.raises(ConfigErrors) as caught:
+        load_config()  # the defaults lack three run-time keys (actor, rollout, critic micro-batches)
+    keys = [err.key for err in caught.value.errors if isinstance(err, ConfigValueError)]
+    assert keys == [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+    ]
+    assert str(caught.value).startswith(
+        "3 config errors:\n  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    )
+    # a layout mistake in the actor is not reported again for the reference policy that copies it
+    with pytest.raises(ConfigValueError) as one:
+        load_config(
+            overrides=[
+                "model_engine=megatron",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                "critic.enable=false",
+            ]
+        )
+    assert one.value.key == "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"

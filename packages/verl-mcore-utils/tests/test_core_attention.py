@@ -6,13 +6,10 @@ import math
 
 import pytest
 import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_mcore_utils.attention import SDPACoreAttention
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

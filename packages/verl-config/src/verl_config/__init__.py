@@ -17,7 +17,14 @@ from verl_config.engines import (
     McoreEngineConfig,
     McoreOptimConfig,
 )
-from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError
+from verl_config.errors import (
+    ConfigError,
+    ConfigErrors,
+    ConfigKeyError,
+    ConfigTypeError,
+    ConfigValueError,
+    errors_of,
+)
 from verl_config.generate import (
     GENERATED_DIR,
     check_generated,
@@ -80,6 +87,7 @@ __all__ = [
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "ConfigError",
+    "ConfigErrors",
     "ConfigKeyError",
     "ConfigNote",
     "ConfigTypeError",
@@ -117,6 +125,7 @@ __all__ = [
     "config_notes",
     "default_tree",
     "engine_differences",
+    "errors_of",
     "format_value",
     "generated_yaml",
     "load_config",

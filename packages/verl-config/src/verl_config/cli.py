@@ -6,8 +6,10 @@
     verl-config generate [--check] [--dir DIR]
 
 Overrides use verl's syntax: key=value, +key=value, ++key=value, ~key. ``--entry sft`` loads the
-``verl-engine train`` schema instead of the PPO trainer. Exit status: 0 ok, 1 stale generated
-files, 2 invalid config or usage.
+``verl-engine train`` schema instead of the PPO trainer. ``show`` needs only valid keys and values
+(the keys a run must still set, such as micro-batch sizes, may be null); ``validate`` applies every
+rule and reports every error found, one a line. Exit status: 0 ok, 1 stale generated files, 2 invalid
+config or usage.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from verl_config.compose import ENTRIES, compose_config, load_config
-from verl_config.errors import ConfigError, ConfigValueError
+from verl_config.errors import ConfigError, ConfigValueError, errors_of
 from verl_config.generate import GENERATED_DIR, check_generated, engine_differences, write_generated
 from verl_config.notes import config_notes
 from verl_config.ppo import MODEL_ENGINES
@@ -119,8 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = _show(args) if args.command == "show" else _load(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except FileNotFoundError as err:
         print(f"verl-config: error: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:  # every error found, one a line
+        found = errors_of(err)
+        for single in found:
+            print(f"verl-config: error: {single}", file=sys.stderr)
+        if len(found) > 1:
+            print(f"verl-config: {len(found)} errors", file=sys.stderr)
         return 2
     for w in caught:
         print(f"verl-config: warning: {w.message}", file=sys.stderr)

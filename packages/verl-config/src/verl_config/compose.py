@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_config.errors import ConfigKeyError, ConfigValueError
+from verl_config.errors import ConfigError, ConfigKeyError, ConfigValueError, ErrorCollector
 from verl_config.loader import KeyHint, apply_override, build_typed, explicit_keys, merge_layer, read_yaml
 from verl_config.lora import (
     DEFAULT_LORA_ALPHA,
@@ -290,8 +290,9 @@ def load_config(
     ConfigValueError (a rule, naming every key involved). Notes about adjusted values are on the
     result, see :func:`verl_config.config_notes`.
     """
-    cfg, hint = _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides)
-    config, notes = build_typed(cfg, hint=hint)
+    errors = ErrorCollector()
+    cfg, hint = _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides, errors=errors)
+    config, notes = build_typed(cfg, hint=hint, errors=errors)
     object.__setattr__(config, "_verl_config_notes", notes)
     return config
 
@@ -308,8 +309,12 @@ def compose_config(
     Unknown keys and values of the wrong type are refused as in :func:`load_config`; the rules between
     keys (micro-batch sizes a run must set, layouts against the world size ...) are not applied, so a
     partial config can be shown and completed. :func:`load_config` is this plus the typed, validated build.
+    Every bad override is reported, together (:class:`~verl_config.errors.ConfigErrors` when several).
     """
-    return _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides)[0]
+    errors = ErrorCollector()
+    cfg = _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides, errors=errors)[0]
+    errors.raise_if_any()
+    return cfg
 
 
 def _compose(
@@ -318,24 +323,37 @@ def _compose(
     yaml_path: str | Path | None,
     yaml_text: str | None,
     overrides: Sequence[str],
+    errors: ErrorCollector,
 ) -> tuple[DictConfig, KeyHint | None]:
-    parsed = [parse_override(o) for o in overrides]
-    layer = read_yaml(yaml_path=yaml_path, yaml_text=yaml_text)
-    if isinstance(entry, str):
-        engine = resolve_entry(entry, yaml_layer=layer[1] if layer else None, overrides=parsed)
-        cfg = default_tree(engine)
-        hint: KeyHint | None = _engine_hint(engine)
-    else:
-        engine = None
-        with defaults_only():  # no validation-time adjustment may be baked into the defaults
-            cfg = OmegaConf.structured(entry)
-        hint = None
-    if layer is not None:
-        cfg = merge_layer(cfg, layer[1], origin=layer[0], hint=hint)
+    """Compose the tree; a bad override is recorded in ``errors`` and skipped, so every one is reported."""
+    parsed: list[Override] = []
+    for text in overrides:
+        with errors:
+            parsed.append(parse_override(text))
+    try:  # without an entry, an engine and a readable YAML layer there is nothing to check further
+        layer = read_yaml(yaml_path=yaml_path, yaml_text=yaml_text)
+        if isinstance(entry, str):
+            engine = resolve_entry(entry, yaml_layer=layer[1] if layer else None, overrides=parsed)
+            cfg = default_tree(engine)
+            hint: KeyHint | None = _engine_hint(engine)
+        else:
+            engine = None
+            with defaults_only():  # no validation-time adjustment may be baked into the defaults
+                cfg = OmegaConf.structured(entry)
+            hint = None
+        if layer is not None:
+            cfg = merge_layer(cfg, layer[1], origin=layer[0], hint=hint)
+    except ConfigError as err:
+        errors.add(err)
+        errors.raise_if_any()
+        raise  # unreachable: raise_if_any raised
     for ov in parsed:
-        apply_override(cfg, ov, hint=hint)
+        with errors:
+            apply_override(cfg, ov, hint=hint)
     if engine is not None:
         explicit = explicit_keys(layer[1] if layer else None, parsed)
-        _migrate_lora(cfg, engine=engine, explicit=explicit)
-        _migrate_legacy_spellings(cfg, explicit=explicit)
+        with errors:
+            _migrate_lora(cfg, engine=engine, explicit=explicit)
+        with errors:
+            _migrate_legacy_spellings(cfg, explicit=explicit)
     return cfg, hint

@@ -1,9 +1,9 @@
 """Engine sections (``fsdp_config`` / ``megatron``) and their optimizer sections.
 
-Defaults are verl's (verl-features.md, section 5), so a verl command line means the same here.
-Each section validates itself and converts to the plain keyword arguments the lower layers take
-(:meth:`McoreEngineConfig.wrap_config_kwargs` for verl-mcore-utils' WrapConfig, ...), so no trainer
-has to re-derive them and forget one (verl's ``use_distributed_optimizer`` bug, PR #5775).
+Defaults are verl's, so a verl command line means the same here. Each section validates itself and
+converts to the plain keyword arguments the lower layers take (:meth:`McoreEngineConfig.wrap_config_kwargs`
+for verl-mcore-utils' WrapConfig, ...), so no trainer re-derives them and drops one (see the README's
+design notes).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf import errors as oc_errors
 
-from verl_config.errors import ConfigKeyError, ConfigTypeError, ConfigValueError
+from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError, ErrorCollector
 from verl_config.notes import ConfigNote, defaults_only
 from verl_config.overrides import Override, format_value, parse_override
 
@@ -259,23 +261,35 @@ def explicit_keys(layer: DictConfig | Mapping[str, Any] | None, overrides: list[
 
 
 def build_typed(
-    cfg: DictConfig, *, origin: str = "config", hint: KeyHint | None = None
+    cfg: DictConfig,
+    *,
+    origin: str = "config",
+    hint: KeyHint | None = None,
+    errors: ErrorCollector | None = None,
 ) -> tuple[Any, list[str]]:
     """Resolve ``cfg`` and build its dataclasses bottom-up; return (object, notes).
 
     The concrete dataclass of every section is taken from the node (so an engine-specific
     subclass stays itself), every ``__post_init__`` error gets the section path in front of its
     key, and :class:`~verl_config.notes.ConfigNote` warnings are collected with full keys.
+    A section that fails does not stop the others: every error is raised together at the end
+    (with those already in ``errors``, e.g. from the overrides), see :class:`ConfigErrors`.
     """
+    errors = errors if errors is not None else ErrorCollector()
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except oc_errors.OmegaConfBaseException as exc:
-        raise _translate(cfg, exc, origin, hint) from None
+        errors.add(_translate(cfg, exc, origin, hint))  # type: ignore[arg-type]
+        errors.raise_if_any()
     notes: list[str] = []
-    return _build_node(cfg, data, "", notes), notes
+    config = _build_node(cfg, data, "", notes, errors)
+    errors.raise_if_any()
+    return config, notes
 
 
-def _build_node(node: DictConfig, data: Mapping[str, Any], path: str, notes: list[str]) -> Any:
+def _build_node(
+    node: DictConfig, data: Mapping[str, Any], path: str, notes: list[str], errors: ErrorCollector
+) -> Any:
     cls = OmegaConf.get_type(node)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -283,19 +297,51 @@ def _build_node(node: DictConfig, data: Mapping[str, Any], path: str, notes: lis
         if isinstance(value, Mapping):
             child = node[f.name]  # the DictConfig child keeps the concrete (engine-specific) dataclass type
             if _is_schema_node(child):
-                value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes)
+                value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes, errors)
         kwargs[f.name] = value
+    already_found = len(errors.errors)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigNote)
         try:
             obj = cls(**kwargs)
-        except ConfigValueError as err:
-            raise err.with_prefix(path) from None
+        except ConfigError as err:
+            errors.add(err, prefix=path, source_of=functools.partial(_interpolation_source, node._get_root()))
+            obj = _unchecked(cls, kwargs)
+        except Exception:
+            # A section whose rules read a value already reported as invalid may fail in other ways
+            # (a division by a size of 0): the error to show is the one already reported.
+            if not already_found:
+                raise
+            obj = _unchecked(cls, kwargs)
     for w in caught:
         if isinstance(w.message, ConfigNote):
             notes.append(f"{path + '.' if path else ''}{w.message}")
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return obj
+
+
+def _interpolation_source(root: DictConfig, full_key: str) -> str | None:
+    """The key whose value ``full_key`` copies through an absolute interpolation on its path
+    (``${actor_rollout_ref.actor.megatron.seed}``), or None."""
+    parts = full_key.split(".")
+    current: Any = root
+    for depth, part in enumerate(parts):
+        if not isinstance(current, DictConfig) or part not in current:
+            return None
+        if OmegaConf.is_interpolation(current, part):
+            match = re.fullmatch(r"\$\{([\w.]+)\}", str(current._get_node(part)._value()))
+            return ".".join([match.group(1), *parts[depth + 1 :]]) if match else None
+        current = current._get_node(part)
+    return None
+
+
+def _unchecked(cls: type, kwargs: Mapping[str, Any]) -> Any:
+    """An instance of ``cls`` with ``kwargs`` set but no ``__post_init__`` run: a stand-in for a section
+    that failed its own checks, so that the sections above it can still check theirs."""
+    obj = object.__new__(cls)
+    for key, value in kwargs.items():
+        object.__setattr__(obj, key, value)
     return obj
 
 

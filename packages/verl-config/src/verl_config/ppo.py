@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_config.engines import FSDPEngineConfig, FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
-from verl_config.errors import ConfigValueError
+from verl_config.errors import ConfigValueError, ErrorCollector
 from verl_config.model import CriticModelConfig, FSDPCriticModelConfig, ModelConfig
 from verl_config.notes import adjusting, note
 from verl_config.profiler import GlobalProfilerConfig, ProfilerConfig
@@ -643,6 +643,7 @@ class TrainerConfig:
         if not adjusting():  # a default tree being built: cross-section rules apply to loaded configs only
             return
         arr = self.actor_rollout_ref
+        errors = ErrorCollector()  # independent rules: every broken one is reported, not just the first
         allowed = ENGINE_STRATEGIES[self.model_engine]
         for path, role in (
             ("actor_rollout_ref.actor", arr.actor),
@@ -650,31 +651,46 @@ class TrainerConfig:
             ("critic", self.critic),
         ):
             if role.strategy not in allowed:
-                raise ConfigValueError(
-                    f"{path}.strategy",
-                    f"is {role.strategy!r} but model_engine is {self.model_engine!r} (strategies {', '.join(allowed)});"
-                    " the engine is chosen once with model_engine=fsdp|megatron (the role sections follow it)",
+                errors.add(
+                    ConfigValueError(
+                        f"{path}.strategy",
+                        f"is {role.strategy!r} but model_engine is {self.model_engine!r} (strategies"
+                        f" {', '.join(allowed)}); the engine is chosen once with model_engine=fsdp|megatron (the"
+                        " role sections follow it)",
+                    )
                 )
         world = self.trainer.world_size
-        actor_dp = self._check_layout("actor_rollout_ref.actor", arr.actor, world)
-        if self.uses_reference_policy:
-            self._check_layout("actor_rollout_ref.ref", arr.ref, world)
-        critic_dp = self._check_layout("critic", self.critic, world) if self.uses_critic else actor_dp
+        actor_dp = critic_dp = None
+        with errors:
+            actor_dp = self._check_layout("actor_rollout_ref.actor", arr.actor, world)
+        with errors:
+            if self.uses_reference_policy:
+                self._check_layout("actor_rollout_ref.ref", arr.ref, world)
+        with errors:
+            critic_dp = self._check_layout("critic", self.critic, world) if self.uses_critic else actor_dp
         if world % arr.rollout.tensor_model_parallel_size:
-            raise ConfigValueError(
-                "actor_rollout_ref.rollout.tensor_model_parallel_size",
-                f"({arr.rollout.tensor_model_parallel_size}) does not divide the world size {world}"
-                " (trainer.nnodes x trainer.n_gpus_per_node)",
+            errors.add(
+                ConfigValueError(
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                    f"({arr.rollout.tensor_model_parallel_size}) does not divide the world size {world}"
+                    " (trainer.nnodes x trainer.n_gpus_per_node)",
+                )
             )
-        self._check_batches(actor_dp=actor_dp, critic_dp=critic_dp)
-        self._check_engine_ties()
-        self._check_remove_padding()
+        if actor_dp is not None and critic_dp is not None:  # the batch rules need the DP sizes
+            self._check_batches(actor_dp=actor_dp, critic_dp=critic_dp, errors=errors)
+        with errors:
+            self._check_engine_ties()
+        with errors:
+            self._check_remove_padding()
         if arr.rollout.val_kwargs.do_sample and arr.rollout.temperature <= 0:
-            raise ConfigValueError(
-                "actor_rollout_ref.rollout.temperature",
-                f"is {arr.rollout.temperature} but actor_rollout_ref.rollout.val_kwargs.do_sample is true; sampling"
-                " needs a temperature > 0",
+            errors.add(
+                ConfigValueError(
+                    "actor_rollout_ref.rollout.temperature",
+                    f"is {arr.rollout.temperature} but actor_rollout_ref.rollout.val_kwargs.do_sample is true;"
+                    " sampling needs a temperature > 0",
+                )
             )
+        errors.raise_if_any()
         if self.algorithm.adv_estimator in _GROUP_ESTIMATORS and arr.rollout.n < 2:
             note(
                 "actor_rollout_ref.rollout.n",
@@ -728,7 +744,8 @@ class TrainerConfig:
             )
         return world // sp
 
-    def _check_batches(self, *, actor_dp: int, critic_dp: int) -> None:
+    def _check_batches(self, *, actor_dp: int, critic_dp: int, errors: ErrorCollector) -> None:
+        """The batch rules of each role, checked independently (each error goes to ``errors``)."""
         arr = self.actor_rollout_ref
         n = arr.rollout.n
         actor = arr.actor
@@ -738,57 +755,69 @@ class TrainerConfig:
                 " a mini-batch is a part of the step's batch"
             )
             if not actor.use_dynamic_bsz:
-                raise ConfigValueError("actor_rollout_ref.actor.ppo_mini_batch_size", message)
-            note("actor_rollout_ref.actor.ppo_mini_batch_size", message)
-        _check_micro(
-            role="actor_rollout_ref.actor",
-            mini=actor.ppo_mini_batch_size * n,
-            dp=actor_dp,
-            global_key="ppo_micro_batch_size",
-            per_gpu_key="ppo_micro_batch_size_per_gpu",
-            section=actor,
-            dynamic=actor.use_dynamic_bsz,
-            dynamic_key="use_dynamic_bsz",
-        )
-        if not actor.use_dynamic_bsz:
-            self._check_step_batch(actor_dp=actor_dp)
+                errors.add(ConfigValueError("actor_rollout_ref.actor.ppo_mini_batch_size", message))
+            else:
+                note("actor_rollout_ref.actor.ppo_mini_batch_size", message)
+        found = len(errors.errors)
+        with errors:
+            _check_micro(
+                role="actor_rollout_ref.actor",
+                mini=actor.ppo_mini_batch_size * n,
+                dp=actor_dp,
+                global_key="ppo_micro_batch_size",
+                per_gpu_key="ppo_micro_batch_size_per_gpu",
+                section=actor,
+                dynamic=actor.use_dynamic_bsz,
+                dynamic_key="use_dynamic_bsz",
+            )
+        if not actor.use_dynamic_bsz and len(errors.errors) == found:  # needs a valid micro-batch size
+            with errors:
+                self._check_step_batch(actor_dp=actor_dp)
         log_prob_roles = [("actor_rollout_ref.rollout", arr.rollout)]
         if self.uses_reference_policy:
             log_prob_roles.insert(0, ("actor_rollout_ref.ref", arr.ref))
         for role, section in log_prob_roles:
-            _check_micro(
-                role=role,
-                mini=None,
-                dp=actor_dp,
-                global_key="log_prob_micro_batch_size",
-                per_gpu_key="log_prob_micro_batch_size_per_gpu",
-                section=section,
-                dynamic=section.log_prob_use_dynamic_bsz,
-                dynamic_key="log_prob_use_dynamic_bsz",
-            )
+            with errors:
+                _check_micro(
+                    role=role,
+                    mini=None,
+                    dp=actor_dp,
+                    global_key="log_prob_micro_batch_size",
+                    per_gpu_key="log_prob_micro_batch_size_per_gpu",
+                    section=section,
+                    dynamic=section.log_prob_use_dynamic_bsz,
+                    dynamic_key="log_prob_use_dynamic_bsz",
+                )
         if self.uses_critic:
             critic = self.critic
             if not critic.use_dynamic_bsz and self.data.train_batch_size < critic.ppo_mini_batch_size:
-                raise ConfigValueError(
-                    "critic.ppo_mini_batch_size",
-                    f"({critic.ppo_mini_batch_size}) is larger than data.train_batch_size ({self.data.train_batch_size})",
+                errors.add(
+                    ConfigValueError(
+                        "critic.ppo_mini_batch_size",
+                        f"({critic.ppo_mini_batch_size}) is larger than data.train_batch_size"
+                        f" ({self.data.train_batch_size})",
+                    )
                 )
-            _check_micro(
-                role="critic",
-                mini=critic.ppo_mini_batch_size * n,
-                dp=critic_dp,
-                global_key="ppo_micro_batch_size",
-                per_gpu_key="ppo_micro_batch_size_per_gpu",
-                section=critic,
-                dynamic=critic.use_dynamic_bsz,
-                dynamic_key="use_dynamic_bsz",
-            )
+            with errors:
+                _check_micro(
+                    role="critic",
+                    mini=critic.ppo_mini_batch_size * n,
+                    dp=critic_dp,
+                    global_key="ppo_micro_batch_size",
+                    per_gpu_key="ppo_micro_batch_size_per_gpu",
+                    section=critic,
+                    dynamic=critic.use_dynamic_bsz,
+                    dynamic_key="use_dynamic_bsz",
+                )
         longest = self.data.max_prompt_length + self.data.max_response_length
         if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < longest:
-            raise ConfigValueError(
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                f"({actor.ppo_max_token_len_per_gpu}) is smaller than one sequence of data.max_prompt_length +"
-                f" data.max_response_length = {longest}; with use_dynamic_bsz a micro-batch must hold at least one",
+            errors.add(
+                ConfigValueError(
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                    f"({actor.ppo_max_token_len_per_gpu}) is smaller than one sequence of data.max_prompt_length +"
+                    f" data.max_response_length = {longest}; with use_dynamic_bsz a micro-batch must hold at least"
+                    " one",
+                )
             )
 
     def _check_step_batch(self, *, actor_dp: int) -> None:

@@ -47,6 +47,11 @@ from verl_dyncp.thd import (
     preprocess_thd_engine,
 )
 from verl_dyncp.thd_attention import CPContext, attach_cp_context, thd_attention, thd_packed_seq_params
+from verl_mcore_utils.compat import prepare_megatron_import
+
+# Before any module of this package imports megatron-core (Python runs this file first): check the release
+# and prepare a GPU-less machine. The modules imported above do not import megatron-core.
+prepare_megatron_import()
 
 __version__ = _metadata.version("verl-dyncp")  # single source: pyproject.toml
 
@@ -58,27 +63,23 @@ _LAZY = {
     "build_thd_gpt_model": "verl_dyncp.model",
 }
 
-__all__ = [
+__all__ = [  # the names imported above, then every lazy name
     "CPContext",
     "CPGroup",
     "CPGroups",
-    "DynCPCoreAttention",
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
     "THDBatch",
-    "THDGPTModelProvider",
     "THDPackedMeta",
     "WorkloadModel",
     "all_reduce_loss",
     "attach_cp_context",
-    "build_thd_gpt_model",
     "build_thd_meta",
     "dynamic_cp_merge_output",
     "dynamic_cp_size",
     "dynamic_cp_split_batch",
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
-    "dyncp_core_attention",
     "global_loss_token_count",
     "normalize_token_loss",
     "plan_dynamic_cp",
@@ -88,8 +89,8 @@ __all__ = [
     "te_attention_available",
     "te_core_attention",
     "thd_attention",
-    "thd_layer_spec",
     "thd_packed_seq_params",
+    *_LAZY,
 ]
 
 

@@ -15,16 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.module import MegatronModule  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from verl_dyncp.rope import apply_rope, rope_inv_freq  # noqa: E402
-from verl_dyncp.thd_attention import (  # noqa: E402
+from verl_dyncp.rope import apply_rope, rope_inv_freq
+from verl_dyncp.thd_attention import (
     CPContext,
     attach_cp_context,
     get_cp_context,

@@ -17,17 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import import_megatron_core
+from verl_dyncp.attention import dyncp_core_attention
 from verl_mcore_utils.model import build_gpt_model, local_layer_spec, rope_theta
 from verl_mcore_utils.transformer_config import hf_get
-
-import_megatron_core()
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from verl_dyncp.attention import dyncp_core_attention  # noqa: E402
 
 __all__ = ["THDGPTModelProvider", "build_thd_gpt_model", "thd_layer_spec"]
 

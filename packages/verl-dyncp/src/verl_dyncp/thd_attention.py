@@ -1,40 +1,11 @@
 """Core attention for packed (THD) batches with a context-parallel group that may change every call.
 
-Contract with the rest of verl-dyncp (the THD pre-processing builds batches in this layout):
-
-* ``packed_seq_params.qkv_format == "thd"``; ``cu_seqlens_q_padded`` holds the offsets of the *padded,
-  whole* sequences (the same on every CP rank), ``cu_seqlens_q`` those of the true lengths. With CP size
-  ``c > 1`` every padded length ``P`` is a multiple of ``2c``; with ``h = P / (2c)`` CP rank ``r`` holds
-  the zigzag chunks ``[r h, (r+1) h)`` and ``[P-(r+1) h, P-r h)`` of each sequence, sequence after
-  sequence, so it holds ``sum(P) / c`` tokens.
-* The CP group travels with the batch, looked up in this order: a :class:`CPContext` attached with
-  :func:`attach_cp_context` (works on every megatron-core release, survives activation recompute since
-  it rides on the ``packed_seq_params`` argument), then ``PackedSeqParams.cp_group`` (megatron-core
-  >= 0.16, set by the same function), then the static CP group of megatron-core's parallel state when
-  ``context_parallel_size > 1``, else no CP.
-
-Algorithm (simple and exact): every rank all-gathers K and V of the whole micro-batch over the CP group
-with an autograd-aware all-gather (backward reduce-scatters the K/V gradient), then attends its local
-queries to the gathered keys with per-chunk causal masks. Each local chunk is one query segment whose
-keys are the prefix of its sequence ending at the chunk's end (bottom-right aligned causal), which is
-exactly what a varlen flash kernel computes. Padding tokens (position >= true length) never influence
-real tokens (they come after them) and their outputs are set to zero, so they get no gradient.
-Cost per rank and layer: K and V of the whole micro-batch are held once (``T x ng x hn x 2``, plus the
-key stream of the varlen kernel, about ``1 + 1/(2c)`` times that); communication is one all-gather of
-``(c-1)/c`` of that in forward and one reduce-scatter of the same size in backward. Attention FLOPs are
-balanced by the zigzag split. A ring (overlapped P2P) variant would cut the K/V memory; not done yet.
-
-Kernels: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn`` (found by
-import; its causal flag is detected from the signature) with one query segment per chunk and
-bottom-right aligned causality. ``kernel="cudnn"`` (opt-in): at CP size 1 sequences of at least
-``DENSE_MIN_TOKENS`` take one dense ``scaled_dot_product_attention`` call each (cuDNN's fused attention
-on Hopper, about twice FlashAttention-2's speed there for the kernel alone), the shorter ones one varlen
-call per run, and q / k are rotated by one Triton kernel; under CP it is "varlen".
-Anywhere else, or with ``kernel="sdpa"``: one ``scaled_dot_product_attention`` per sequence with an
-explicit position mask (a one-time warning on CUDA).
-
-RoPE: the model is built with ``position_embedding_type="none"`` and this module rotates q and k with
-the true position of every token (see verl_dyncp.rope for why megatron's RoPE cannot be used).
+Batches come in verl-dyncp's zigzag THD layout; the CP group travels with the batch (a :class:`CPContext`
+from :func:`attach_cp_context`, then ``PackedSeqParams.cp_group``, then megatron-core's static CP group).
+Every rank all-gathers K and V over the group (reduce-scatter in backward) and attends its local chunks
+with causal masks from the true positions; RoPE is applied here from those positions. The README's design
+notes give the layout contract, the algorithm, its cost and the kernels (``kernel="cudnn"``: dense
+cuDNN attention per long sequence at CP 1 and the Triton RoPE kernel, opt-in).
 """
 
 from __future__ import annotations

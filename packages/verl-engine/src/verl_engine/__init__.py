@@ -25,6 +25,12 @@ ranks and torch-only users start fast.
 from importlib import metadata as _metadata
 from typing import Any
 
+from verl_mcore_utils.compat import prepare_megatron_import
+
+# Before any module of this package imports megatron-core (Python runs this file first): check the release
+# and prepare a GPU-less machine.
+prepare_megatron_import()
+
 __version__ = _metadata.version("verl-engine")  # single source: pyproject.toml
 
 _LAZY: dict[str, str] = {

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from verl_config import ConfigError, SFTConfig, load_config
+from verl_engine.quiet import quiet_third_party_notices
 
 __all__ = ["main", "parse_train_args"]
 
@@ -196,11 +197,8 @@ def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_third_party_notices()  # before megatron-core is imported: its notices come at import time
     if argv[:1] == ["grpo"]:
-        import warnings
-
-        for category in (UserWarning, FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=category, module=r"megatron(\.|$)")
         args = _parser().parse_args(argv)
         try:
             return run_grpo_command(args)
@@ -212,11 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"verl-engine: config error: {err}", file=sys.stderr)
         return 2
-    import warnings
-
-    # megatron-core's import-time notices (apex / TE not installed, deprecations) are noise here.
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"megatron(\.|$)")
     from verl_engine.trainer import train
 
     try:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from verl_config import SFTConfig
 from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
@@ -44,14 +45,11 @@ from verl_engine.packed import (
     split_packed_micro_batches,
 )
 from verl_engine.pipeline import PipelineLayout
-from verl_mcore_utils.compat import import_megatron_core, make_megatron_optimizer
+from verl_mcore_utils.compat import make_megatron_optimizer
 from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
 from verl_mcore_utils.parallel import ParallelDims
 from verl_mcore_utils.transformer_config import hf_to_transformer_config
-
-import_megatron_core()
-from megatron.core import parallel_state  # noqa: E402
 
 if TYPE_CHECKING:
     from verl_dyncp.planner import WorkloadModel

@@ -40,21 +40,8 @@ different shapes -> ``ValueError`` naming both keys and shapes; an all-zero ``re
 0 with a valid graph and finite metrics. Positions outside the mask are replaced by 0 before any
 arithmetic, so padding holding NaN or inf cannot leak into the loss or the gradient.
 
-Deliberate differences from verl (``verl/trainer/ppo/core_algos.py`` and ``verl/workers/utils/losses.py``):
-
-- ``agg_loss`` with ``global_batch_size=None`` counts every row of the mask (verl counts the non-empty
-  rows): the trainer's global_batch_size counts every sequence too, so the local and the global paths
-  agree. Empty sequences contribute 0 in ``seq-mean-token-mean`` by an exact guard instead of verl's
-  ``n_s + 1e-8`` (a relative difference of 1e-8 / n_s), and masked means use ``max(count, 1)`` instead of
-  ``count + 1e-8``. Zero global counts divide by 1, so an all-empty batch gives 0 instead of NaN.
-- ``ppo_loss`` subtracts the entropy term only when ``entropy_coeff != 0`` (verl subtracts ``0 * entropy``
-  whenever entropy is present: same value and gradient) and reports its metric as ``entropy``.
-- The ``gpg`` loss reports ``ppo_kl`` and zero clip fractions (verl reports nothing), so every built-in
-  loss yields the same metric names.
-- Metric names carry no ``actor/`` / ``critic/`` prefix; the caller adds one.
-- The critic's clipped prediction is ``max(min(vpred, v_old + c), v_old - c)`` (verl's ``clip_by_value``),
-  equal to ``v_old + clamp(vpred - v_old, -c, c)`` but exact inside the clip range, so ``vf_clipfrac``
-  does not count rounding noise.
+Where these losses deliberately differ from verl's (empty sequences, zero counts, metric names): see the
+README's design notes.
 """
 
 from __future__ import annotations

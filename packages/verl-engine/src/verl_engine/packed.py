@@ -1,20 +1,8 @@
 """Packed (THD) batches and how they are spread over the DP x CP ranks: static or dynamic CP.
 
-The engine's packed path treats the ``n = world / (TP x PP)`` data-parallel x context-parallel ranks as
-one pool. A step's global batch (every sequence, packed back to back) is given to every rank of the pool;
-it is cut into micro-batches of at most ``max_tokens_per_rank x n`` tokens, and verl-dyncp's planner
-splits each micro-batch over the pool: a CP size ``k`` per micro-batch (dynamic, from
-``max_seqlen_per_dp_cp_rank``) or a fixed one (static, ``context_parallel_size``), ``n / k`` groups
-balanced by workload (attention L^2 plus the dense layers, ~12 x hidden x L per sequence: the engine passes
-WorkloadModel.for_transformer; attention alone would pile short sequences onto one rank), idle groups
-running dummy work. megatron-core's own parallel state is initialised with ``context_parallel_size=1``
-(its DP group is the pool), so its DDP reduces gradients over exactly the ranks that share the batch.
-
-Micro-batches are formed first-fit-decreasing by length: long sequences land together in the first
-micro-batches (which then need a large ``k``) and short ones together in later micro-batches (which run
-with ``k = 1``, i.e. pure data parallelism). Mixing one long sequence into every micro-batch would force a
-large ``k`` on all of them and throw away what dynamic CP gains. The split depends only on the lengths,
-so every rank computes the same micro-batches without communication.
+The DP x CP ranks are one pool; each micro-batch (first-fit-decreasing by length, at most
+``max_tokens_per_rank x n`` tokens) is split over it by verl-dyncp's planner with a CP size per micro-batch
+(dynamic) or a fixed one (static). The README's "Packed batches" section says why it is done this way.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 # Only the version helpers load eagerly. The rest is imported on first use (PEP 562), so that
 # ``import verl_mcore_utils.testing`` (the spawned-rank runner) or the compat helpers do not pull in
-# megatron-core (10-25 s per process on a small CPU machine). prepare_megatron_import() only sets the
-# environment megatron-core 0.15 needs to import on a GPU-less machine, before any submodule imports it.
+# megatron-core (10-25 s per process on a small CPU machine). prepare_megatron_import() checks the installed
+# release and sets the environment megatron-core 0.15 needs on a GPU-less machine; Python runs this file
+# before any submodule, so the submodules import megatron-core at their top.
 from verl_mcore_utils.compat import (
     ddp_config_fields,
     import_megatron_core,
@@ -34,36 +35,41 @@ from verl_mcore_utils.compat import (
 
 prepare_megatron_import()
 
-if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from verl_mcore_utils.attention import SDPACoreAttention
-    from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
-    from verl_mcore_utils.fused_adam import use_fused_torch_adam
-    from verl_mcore_utils.model import build_gpt_model, local_layer_spec
-    from verl_mcore_utils.module import (
-        GPTModelProvider,
-        ModelProvider,
-        SpecProvider,
-        ValueHead,
-        attach_training_hooks,
-        get_model_config,
-        make_megatron_module,
-        unwrap_model,
-    )
-    from verl_mcore_utils.mtp import build_mtp_block, mtp_layer_forward
-    from verl_mcore_utils.offload import (
-        OffloadStateError,
-        OffloadStats,
-        offload_megatron_model,
-        offload_megatron_optimizer,
-        onload_megatron_model,
-        onload_megatron_optimizer,
-    )
-    from verl_mcore_utils.parallel import ParallelDims, destroy_parallel, init_parallel
-    from verl_mcore_utils.presets import PRESETS, qwen2_preset
-    from verl_mcore_utils.rope import PortableRotaryEmbedding, make_rope_portable
-    from verl_mcore_utils.testing import run_distributed
-    from verl_mcore_utils.transformer_config import hf_to_transformer_config
-    from verl_mcore_utils.weights import export_hf_weights, load_hf_weights, save_hf_weights
+if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type checkers and IDEs
+    from verl_mcore_utils.attention import SDPACoreAttention as SDPACoreAttention
+    from verl_mcore_utils.ddp import WrapConfig as WrapConfig
+    from verl_mcore_utils.ddp import build_ddp_config as build_ddp_config
+    from verl_mcore_utils.fused_adam import use_fused_torch_adam as use_fused_torch_adam
+    from verl_mcore_utils.model import build_gpt_model as build_gpt_model
+    from verl_mcore_utils.model import local_layer_spec as local_layer_spec
+    from verl_mcore_utils.module import GPTModelProvider as GPTModelProvider
+    from verl_mcore_utils.module import ModelProvider as ModelProvider
+    from verl_mcore_utils.module import SpecProvider as SpecProvider
+    from verl_mcore_utils.module import ValueHead as ValueHead
+    from verl_mcore_utils.module import attach_training_hooks as attach_training_hooks
+    from verl_mcore_utils.module import get_model_config as get_model_config
+    from verl_mcore_utils.module import make_megatron_module as make_megatron_module
+    from verl_mcore_utils.module import unwrap_model as unwrap_model
+    from verl_mcore_utils.mtp import build_mtp_block as build_mtp_block
+    from verl_mcore_utils.mtp import mtp_layer_forward as mtp_layer_forward
+    from verl_mcore_utils.offload import OffloadStateError as OffloadStateError
+    from verl_mcore_utils.offload import OffloadStats as OffloadStats
+    from verl_mcore_utils.offload import offload_megatron_model as offload_megatron_model
+    from verl_mcore_utils.offload import offload_megatron_optimizer as offload_megatron_optimizer
+    from verl_mcore_utils.offload import onload_megatron_model as onload_megatron_model
+    from verl_mcore_utils.offload import onload_megatron_optimizer as onload_megatron_optimizer
+    from verl_mcore_utils.parallel import ParallelDims as ParallelDims
+    from verl_mcore_utils.parallel import destroy_parallel as destroy_parallel
+    from verl_mcore_utils.parallel import init_parallel as init_parallel
+    from verl_mcore_utils.presets import PRESETS as PRESETS
+    from verl_mcore_utils.presets import qwen2_preset as qwen2_preset
+    from verl_mcore_utils.rope import PortableRotaryEmbedding as PortableRotaryEmbedding
+    from verl_mcore_utils.rope import make_rope_portable as make_rope_portable
+    from verl_mcore_utils.testing import run_distributed as run_distributed
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config as hf_to_transformer_config
+    from verl_mcore_utils.weights import export_hf_weights as export_hf_weights
+    from verl_mcore_utils.weights import load_hf_weights as load_hf_weights
+    from verl_mcore_utils.weights import save_hf_weights as save_hf_weights
 
 _LAZY: dict[str, str] = {
     "GPTModelProvider": "verl_mcore_utils.module",
@@ -115,44 +121,6 @@ def __getattr__(name: str) -> Any:
 
 __version__ = _metadata.version("verl-mcore-utils")  # single source: pyproject.toml
 
-# Written out for linters and IDEs; tests/test_packaging.py checks it is exactly the eager helpers + _LAZY.
-__all__ = [
-    "PRESETS",
-    "GPTModelProvider",
-    "ModelProvider",
-    "OffloadStateError",
-    "OffloadStats",
-    "ParallelDims",
-    "PortableRotaryEmbedding",
-    "SDPACoreAttention",
-    "SpecProvider",
-    "ValueHead",
-    "WrapConfig",
-    "attach_training_hooks",
-    "build_ddp_config",
-    "build_gpt_model",
-    "build_mtp_block",
-    "ddp_config_fields",
-    "destroy_parallel",
-    "export_hf_weights",
-    "get_model_config",
-    "hf_to_transformer_config",
-    "import_megatron_core",
-    "init_parallel",
-    "load_hf_weights",
-    "local_layer_spec",
-    "make_megatron_module",
-    "make_rope_portable",
-    "mcore_version",
-    "mtp_layer_forward",
-    "offload_megatron_model",
-    "offload_megatron_optimizer",
-    "onload_megatron_model",
-    "onload_megatron_optimizer",
-    "prepare_megatron_import",
-    "qwen2_preset",
-    "run_distributed",
-    "save_hf_weights",
-    "unwrap_model",
-    "use_fused_torch_adam",
-]
+# The public names: the eager helpers imported above and every lazy name (tests/test_packaging.py checks
+# that the TYPE_CHECKING imports name the same lazy API).
+__all__ = ["ddp_config_fields", "import_megatron_core", "mcore_version", "prepare_megatron_import", *_LAZY]

@@ -34,13 +34,13 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import hf_rope_parameters, import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from verl_mcore_utils.compat import hf_rope_parameters
+from verl_mcore_utils.model import local_layer_spec
+from verl_mcore_utils.rope import make_rope_portable
 
 try:
     from mbridge import AutoBridge
@@ -52,9 +52,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"verl_mcore_utils.bridges needs mbridge ({exc}); install verl-mcore-utils[mbridge]"
     ) from exc
-
-from verl_mcore_utils.model import local_layer_spec  # noqa: E402
-from verl_mcore_utils.rope import make_rope_portable  # noqa: E402
 
 __all__ = [
     "LOCAL_BRIDGES",
@@ -377,7 +374,7 @@ def build_mbridge_model(
 
 # mbridge's get_model wraps with DDP defaults {grad_reduce_in_fp32: True, use_distributed_optimizer: True}.
 # Only the first is a path default here: use_distributed_optimizer always comes from the wrap config
-# (verl's PR #5775 bug was mbridge's True silently winning over the user's False).
+# (in verl, mbridge's True once silently won over a user's False).
 MBRIDGE_DDP_DEFAULTS: dict[str, Any] = {"grad_reduce_in_fp32": True}
 
 

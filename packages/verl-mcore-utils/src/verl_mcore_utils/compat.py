@@ -54,24 +54,28 @@ def mcore_version() -> Version:
 
 
 def prepare_megatron_import() -> None:
-    """Set what megatron-core needs to import on a machine without a GPU, without importing it.
+    """Make ``import megatron.core`` safe and its failures clear, without importing it.
 
-    megatron-core 0.15 compiles a CUDA extension at import time (inference/unified_memory.py); on a CUDA
-    build of torch with no visible GPU that raises IndexError unless TORCH_CUDA_ARCH_LIST is set, in
-    which case the failure is caught inside megatron-core. We set it only when it is unset and no GPU
-    is visible, so GPU hosts are untouched. The package __init__ calls this before any submodule can
-    import megatron-core.
+    Runs in the ``__init__`` of verl-mcore-utils (and of the packages built on it), which Python executes
+    before any of their modules, so those modules import megatron-core at the top like any other library:
+
+    * the installed release must be one we support (:func:`mcore_version` raises an ImportError naming the
+      supported range, instead of an import error from inside megatron-core or a wrong result later);
+    * megatron-core 0.15 compiles a CUDA extension at import time (inference/unified_memory.py); on a CUDA
+      build of torch with no visible GPU that raises IndexError unless TORCH_CUDA_ARCH_LIST is set, in which
+      case the failure is caught inside megatron-core. We set it only when it is unset and no GPU is
+      visible, so GPU hosts are untouched.
     """
     import torch
 
+    mcore_version()
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
 
 
 def import_megatron_core() -> Any:
-    """Import ``megatron.core`` safely on machines without a GPU (see :func:`prepare_megatron_import`)."""
+    """``megatron.core``, imported after :func:`prepare_megatron_import` (for a function that imports it late)."""
     prepare_megatron_import()
-    mcore_version()
     import megatron.core
 
     return megatron.core

@@ -1,4 +1,4 @@
-"""The one place a DistributedDataParallelConfig is made (verl-features.md, section 1).
+"""The one place a DistributedDataParallelConfig is made, so no construction path can drop a user setting.
 
 Rule, the same for every model-construction path: when wrapping, start from the path's defaults,
 put the wrap config's ``use_distributed_optimizer`` (and ``use_megatron_fsdp``) on top, then the
@@ -13,10 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_mcore_utils.compat import ddp_config_fields, import_megatron_core
+from megatron.core.distributed import DistributedDataParallelConfig
 
-import_megatron_core()
-from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
+from verl_mcore_utils.compat import ddp_config_fields
 
 __all__ = ["WrapConfig", "build_ddp_config"]
 

@@ -1,70 +1,12 @@
 """LoRA on megatron-core GPT models with Hugging Face ``peft``, applied before DDP, saved in HF PEFT format.
 
-What this module gives a trainer:
-
-* :func:`peft_pre_wrap_hook` -- a pre-wrap hook for :func:`verl_mcore_utils.module.make_megatron_module`
-  (``pre_wrap_hooks=[peft_pre_wrap_hook(lora)]``). It wraps the megatron linears named by the LoRA block
-  (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, minus ``exclude_modules``) in peft's
-  tensor-parallel LoRA layer, initialises the adapters, freezes every other parameter, optionally loads an
-  adapter checkpoint and prints the adapter statistics on rank 0. It runs BEFORE Float16Module / DDP, so
-  megatron's DDP buffers and optimizer only ever see the (trainable) adapter parameters.
-* :func:`save_hf_adapter` / :func:`load_hf_adapter` -- Hugging Face PEFT checkpoints
-  (``adapter_config.json`` + ``adapter_model.safetensors``, HF module names) that
-  ``peft.PeftModel.from_pretrained(transformers_model, path)`` loads; TP shards are gathered and PP stages
-  collected on save, and sliced again on load.
-* :func:`without_adapters` (the model as if it had no LoRA: for :mod:`verl_mcore_utils.weights` load /
-  export of base weights), :func:`export_merged_hf_weights` (base + adapter merged, for rollout weight
-  sync), :func:`adapter_named_parameters`, :func:`adapter_stats`.
-
-Fused projections. megatron-core fuses q/k/v into ``linear_qkv`` (rows interleaved per query group) and
-gate/up into ``linear_fc1`` (rows ``[gate; up]``), so one megatron adapter ``B @ A`` covers several HF
-modules. Export is exact: each HF projection gets the SAME ``lora_A`` and its own rows of ``lora_B``
-(``B[rows] @ A x == (B @ A x)[rows]``). Import is the inverse and therefore only accepts HF adapters whose
-q/k/v (gate/up) share ``lora_A`` -- what this module saves; an adapter trained on separate HF projections
-has rank up to 3r on the fused layer and is refused with an explanation.
-
-Tensor parallelism. peft's layer builds, for a column-parallel base (linear_qkv, linear_fc1), a replicated
-``lora_A`` (``nn.Linear``) and a column-parallel ``lora_B`` split on the output dim; for a row-parallel base
-(linear_proj, linear_fc2) a row-parallel ``lora_A`` split on the input dim and a replicated ``lora_B``. The
-``lora_B`` shard of ``linear_fc1`` on TP rank t is ``[B_gate shard t; B_up shard t]``, aligned with the base
-weight's shard. Adapters are initialised on the FULL tensor from a generator seeded by (seed, module name)
-and then sliced, so a model gets the same adapter whatever its TP size and replicated pieces agree on every
-rank. Init methods follow Megatron-Bridge's names: xavier = xavier_normal_, normal = N(0, 0.2), kaiming =
-kaiming_uniform_(a=sqrt(5)), zero; the scale is alpha / rank as in peft.
-
-How peft's megatron LoRA is made to work. This module's tests pass with peft 0.17.0 (transformers 4.57.1),
-0.18.1 and 0.21.2 (transformers 5.23). The documented route -- ``peft.LoraConfig(megatron_config=...,
-megatron_core="megatron.core")`` injected by peft -- fails on a megatron-core GPTModel with every peft
-release this package allows (``peft>=0.17``; seen with 0.17.0, 0.18.1 and 0.21.2), for these reasons:
-
-* peft >= 0.19 (the refactor that moved layer options into the config, huggingface/peft#2960): the
-  dispatcher ``dispatch_megatron`` still reads ``kwargs["fan_in_fan_out"]``, which is no longer passed:
-  ``KeyError: 'fan_in_fan_out'`` at injection.
-* peft >= 0.14: ``LoraParallelLinear.update_layer`` never sets ``self.lora_bias[adapter]`` but the shared
-  ``reset_lora_parameters`` reads it: ``KeyError`` at injection whenever peft initialises the weights.
-* peft >= 0.14 (huggingface/peft#2122): ``LoraParallelLinear.forward`` does ``lora_B(lora_A(x)) * scaling``,
-  but megatron's parallel linears return ``(output, bias)`` tuples: ``TypeError`` in the first forward.
-* every version: ``update_layer`` sets ``megatron_config.params_dtype = torch.float32`` on the config it is
-  given, so passing the model's own TransformerConfig silently changes the model's config.
-
-* peft 0.17 (with ``init_lora_weights=False`` to dodge the second): peft's injection reads the model's
-  ``config`` as a dict, and a GPTModel's is a TransformerConfig: ``AttributeError``.
-
-(By its source, peft <= 0.13 had none of the first three defects; it predates our ``peft>=0.17`` floor and
-was not tried.) So this module does not go through peft's dispatcher or ``get_peft_model`` /
-``inject_adapter_in_model`` (which expect a transformers model). It constructs peft's real ``LoraParallelLinear`` itself, through a thin subclass
-(:class:`MegatronLoraParallelLinear`) that (1) passes a private copy of the TransformerConfig (with
-``perform_initialization=False``: the adapters are initialised here), (2) sets ``lora_bias`` before peft's
-``update_layer``, (3) replaces ``forward`` with one that unpacks megatron's tuples and supports dropout
-after the adapter, and (4) calls the constructor with the signature of the installed peft (0.19+ takes a
-``LoraConfig``; 0.17-0.18 take the options as keyword arguments). Everything else -- adapter creation with
-megatron Row/ColumnParallelLinear, scaling, merge / unmerge, adapter (de)activation -- is peft's code.
-
-Only peft's ``lora`` flavour is supported (``lora.type == "lora"``): ``canonical_lora`` (separate q/k/v
-adapters) and ``dora`` are refused. Only megatron's own ColumnParallelLinear / RowParallelLinear can be
-adapted (the local layer spec); Transformer Engine linears are refused. Megatron distributed checkpointing
-of a LoRA model (``sharded_state_dict``) is not supported: save adapters with :func:`save_hf_adapter` (the
-frozen base weights are reloaded from the HF checkpoint).
+:func:`peft_pre_wrap_hook` (a pre-wrap hook for :func:`verl_mcore_utils.module.make_megatron_module`) adapts the
+megatron linears named by the LoRA block before Float16Module / DDP, so DDP and the optimizer only see adapter
+parameters; :func:`save_hf_adapter` / :func:`load_hf_adapter` write and read Hugging Face PEFT checkpoints across
+TP / PP; :func:`without_adapters`, :func:`export_merged_hf_weights`, :func:`adapter_named_parameters`,
+:func:`adapter_stats`. peft's own ``LoraParallelLinear`` is built directly (:class:`MegatronLoraParallelLinear`)
+because peft's megatron route fails on a GPTModel. The README's design notes give the rules for fused
+projections and tensor parallelism, the peft defects worked around, and what is refused.
 """
 
 from __future__ import annotations
@@ -87,14 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from verl_config.lora import HF_TO_MCORE, MCORE_LINEAR_MODULES, LoraConfig, translate_target_modules
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-
-from verl_mcore_utils.weights import (  # noqa: E402
+from verl_mcore_utils.weights import (
     LAYER_MODULE_MAP,
     HFDims,
     export_hf_weights,

@@ -6,18 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import hf_rope_parameters, import_megatron_core
-
-import_megatron_core()
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from verl_mcore_utils.attention import SDPACoreAttention  # noqa: E402
-from verl_mcore_utils.rope import make_rope_portable  # noqa: E402
-from verl_mcore_utils.transformer_config import hf_get  # noqa: E402
+from verl_mcore_utils.attention import SDPACoreAttention
+from verl_mcore_utils.compat import hf_rope_parameters
+from verl_mcore_utils.rope import make_rope_portable
+from verl_mcore_utils.transformer_config import hf_get
 
 __all__ = ["build_gpt_model", "local_layer_spec", "rope_theta"]
 

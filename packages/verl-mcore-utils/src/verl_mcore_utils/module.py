@@ -1,10 +1,9 @@
 """make_megatron_module: build model chunks through a provider, then wrap them, one way for every path.
 
-verl's bug (PR #5775) came from three construction paths each making its own DDP config; one of them
-never passed ``use_distributed_optimizer``. Here the paths differ ONLY in how unwrapped chunks are
-built (a :class:`ModelProvider`); hooks, mixed precision, value head and DDP wrapping are done by
-one function, and the DDP config comes from :func:`verl_mcore_utils.ddp.build_ddp_config` with the
-provider's ``ddp_defaults`` as the lowest layer (path defaults < wrap config < override_ddp_config).
+The paths differ ONLY in how unwrapped chunks are built (a :class:`ModelProvider`); hooks, mixed
+precision, value head and DDP wrapping are done by one function, and the DDP config comes from
+:func:`verl_mcore_utils.ddp.build_ddp_config` with the provider's ``ddp_defaults`` as the lowest layer
+(path defaults < wrap config < override_ddp_config). Why: see the README's design notes.
 
 The provider protocol (also implemented by the mbridge path and by any user object)::
 
@@ -24,17 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.transformer.module import Float16Module  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from verl_mcore_utils.ddp import WrapConfig, build_ddp_config  # noqa: E402
-from verl_mcore_utils.model import build_gpt_model  # noqa: E402
+from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+from verl_mcore_utils.model import build_gpt_model
 
 __all__ = [
     "GPTModelProvider",

@@ -17,14 +17,12 @@ import dataclasses
 from typing import Any
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from verl_mcore_utils.compat import import_megatron_core, mcore_version
-
-import_megatron_core()
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: E402
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from verl_mcore_utils.compat import mcore_version
 
 __all__ = ["build_mtp_block", "build_mtp_embedding", "mtp_layer_forward", "sync_mtp_embedding"]
 

@@ -1,32 +1,11 @@
 """Move a Megatron training state (parameters, gradients, optimizer state) to host memory and back.
 
-Why: in RL the trainer and the rollout engine take turns on the same GPUs. While rollout runs, the
-trainer's state must leave the GPU and come back bit for bit afterwards. verl's first version of this
-made a fresh pinned host copy on every offload while the previous one was still alive, so host memory
-doubled and pods were OOM-killed (verl-features.md, section 1). This module keeps exactly one host
-buffer per device storage, allocated on the first offload and reused by every later one.
-
-How (one mechanism for every case):
-
-* Tensors are gathered per *group*: ``params``, ``grads`` (per model chunk) and ``optimizer`` (per
-  optimizer). Each group is reduced to the set of distinct device *storages* behind its tensors.
-* Offload copies each whole storage, byte for byte, into its host buffer (``non_blocking``, then one
-  synchronize) and then releases the device memory with ``untyped_storage().resize_(0)``.
-* Onload resizes the same storage objects back and copies the bytes in.
-
-Because storages are resized in place, every tensor that views them keeps working after onload:
-megatron DDP's ``param.data`` and ``param.main_grad`` are views into one flat
-``_ParamAndGradBuffer.param_data`` / ``.grad_data`` each, the distributed optimizer keeps further views
-(``shard_float16_groups``, ``model_param.main_param``) and optimizer state is keyed by tensor identity.
-Replacing ``tensor.data`` instead would silently detach all of those views. Whole storages move, so
-padding between DDP buckets is preserved too and the round trip is exact for any dtype.
-
-Host memory is exactly 1x: with CUDA the host buffer is ordinary host memory page-locked in place with
-``cudaHostRegister`` (exactly the bytes needed, rounded to pages), not ``torch.empty(pin_memory=True)``,
-because PyTorch's caching host allocator rounds every request up to a power of two (a 1.1 GB DDP buffer
-would take 2 GB) and keeps freed blocks cached. On a machine without CUDA there is nothing to pin:
-tensors that live on the CPU are "offloaded" into plain host buffers. That is useless in production but
-runs the same code path, so the logic is tested on CPU-only machines.
+In RL the trainer and the rollout engine take turns on the same GPUs: while rollout runs, the trainer's
+state leaves the GPU and comes back bit for bit. Each group (``params``, ``grads``, ``optimizer``) is
+reduced to the device storages behind its tensors; offload copies each whole storage into one host buffer
+that is reused by every later offload (host memory stays 1x) and resizes the storage to 0 bytes in place,
+onload resizes it back and copies the bytes in, so every view of it keeps working. The README's design
+notes say why each choice was made.
 
 Rules (checked, with clear errors):
 

@@ -8,12 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from verl_config.validation import check_parallel_layout
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state  # noqa: E402
 
 __all__ = ["ParallelDims", "destroy_parallel", "init_parallel"]
 

@@ -7,11 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "hf_get", "hf_mtp_num_layers", "hf_to_transformer_config"]
 

@@ -37,14 +37,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 
-from verl_mcore_utils.compat import import_megatron_core
-
-import_megatron_core()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-
-from verl_mcore_utils.transformer_config import SUPPORTED_MODEL_TYPES, hf_get  # noqa: E402
+from verl_mcore_utils.transformer_config import SUPPORTED_MODEL_TYPES, hf_get
 
 __all__ = [
     "LAYER_MODULE_MAP",

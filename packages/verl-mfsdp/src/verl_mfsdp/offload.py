@@ -1,9 +1,8 @@
 """Offload a Megatron-FSDP training state (parameters, gradients, optimizer state) to host memory and back.
 
-Why: in RL the trainer and the rollout engine take turns on the same GPUs. verl's offload was not
-FSDP-aware: it called ``.data``/``.cpu()`` on the DTensor wrappers and failed with "invalid python
-storage" (verl-features.md section 6). Here the memory that actually holds the state is moved: the
-storages behind Megatron-FSDP's flat buffers and the DTensors' *local shards*, never the wrappers.
+In RL the trainer and the rollout engine take turns on the same GPUs. The memory that actually holds the
+state is moved: the storages behind Megatron-FSDP's flat buffers and the DTensors' *local shards*, never the
+DTensor wrappers (why: the README's design notes).
 
 The mechanism is verl_mcore_utils.offload's (one page-locked host buffer per device storage, reused by
 every cycle; storages resized to 0 bytes in place and back, so every view - module parameters,

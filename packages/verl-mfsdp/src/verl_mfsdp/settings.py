@@ -1,9 +1,8 @@
 """Megatron-FSDP DDP settings: one flag, the same meaning on every construction path and release.
 
-verl made ``use_megatron_fsdp`` one flag but honoured it on one construction path only. Here the
-settings are computed by :func:`megatron_fsdp_ddp_config` and handed to verl-mcore-utils'
+The settings are computed by :func:`megatron_fsdp_ddp_config` and handed to verl-mcore-utils'
 ``build_ddp_config`` (the only place a DDP config is made), so every path that wraps through
-``make_megatron_module`` gets them. Rules (verl-features.md section 6):
+``make_megatron_module`` gets them (why: the README's design notes). Rules:
 
 * use_distributed_optimizer is forced true: Megatron-FSDP owns the sharded optimizer state, so a
   user's ``false`` (wrap config or override) is a contradiction and an error, not a silent change;
