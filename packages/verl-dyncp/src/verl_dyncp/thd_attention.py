@@ -5,7 +5,8 @@ from :func:`attach_cp_context`, then ``PackedSeqParams.cp_group``, then megatron
 Every rank all-gathers K and V over the group (reduce-scatter in backward) and attends its local chunks
 with causal masks from the true positions; RoPE is applied here from those positions. The README's design
 notes give the layout contract, the algorithm, its cost and the kernels (``kernel="cudnn"``: dense
-cuDNN attention per long sequence at CP 1 and the Triton RoPE kernel, opt-in).
+cuDNN attention per long sequence at CP 1 and the Triton RoPE kernel, the default on CUDA; ``"varlen"`` is
+the plain varlen path).
 """
 
 from __future__ import annotations
@@ -617,7 +618,7 @@ def thd_attention(
         position_ids=position_ids,
         inv_freq=inv_freq,
         rotary_interleaved=rotary_interleaved,
-        fused=kernel == "cudnn",
+        fused=kernel in ("auto", "cudnn"),
     )
     v = value
     group_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
@@ -628,7 +629,7 @@ def thd_attention(
         kv = _AllGatherRows.apply(torch.cat((k, v), dim=-1), cp_group)
         kv = kv.index_select(0, layout.stream_index if chosen == "varlen" else layout.full_index)
         k, v = kv.split((k.shape[-1], v.shape[-1]), dim=-1)
-    if chosen == "varlen" and layout.cp_size == 1 and kernel == "cudnn":
+    if chosen == "varlen" and layout.cp_size == 1 and kernel in ("auto", "cudnn"):
         out = _segmented_attention(q, k, v, layout=layout, scale=softmax_scale)
     elif chosen == "varlen":
         out = _varlen_attention(q, k, v, layout=layout, scale=softmax_scale)
