@@ -77,7 +77,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-dyncp", "CP groups", ("test_groups",)),
     ("verl-dyncp", "planner: dynamic / static CP, split, merge, loss", ("test_planner",)),
     ("verl-dyncp", "THD zigzag layout", ("test_thd",)),
-    ("verl-dyncp", "CP core attention", ("test_attention",)),
+    ("verl-dyncp", "CP core attention, RoPE kernel", ("test_attention", "test_fused_rope")),
     ("verl-dyncp", "model parity: static and dynamic CP vs no CP", ("test_model_parity",)),
     ("verl-dyncp", "package installs alone", ("test_dyncp_package",)),
     ("verl-mfsdp", "Megatron-FSDP DDP settings per release", ("test_settings",)),
@@ -123,7 +123,8 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "test_gpu_fused_adam",
         ),
     ),
-    ("verl-engine", "packaging rules (all packages)", ("test_packaging",)),
+    ("verl-engine", "CLI start-up output", ("test_cli_output",)),
+    ("verl-engine", "packaging rules, release tooling (all packages)", ("test_packaging", "test_release_*")),
 )
 OUTCOMES = ("passed", "failed", "skipped")
 FILE_NAME = re.compile(r"^(?P<group>[a-z][a-z-]*?)(?:-mcore(?P<version>\d+(?:\.\d+)+))?\.xml$")
