@@ -92,7 +92,7 @@ def test_invalid_value_names_section_path() -> None:
         load_config(SFTConfig, overrides=["megatron.dtype=fp8"])
     with pytest.raises(
         ConfigValueError,
-        match=r"megatron\.packed_attention_backend: must be one of 'auto', 'varlen', 'sdpa', 'te'; got 'flash'",
+        match=r"megatron\.packed_attention_backend: must be one of 'auto', 'varlen', 'cudnn', 'sdpa', 'te'; got 'flash'",
     ):
         load_config(SFTConfig, overrides=["megatron.packed_attention_backend=flash"])
     with pytest.raises(ConfigValueError, match=r"optim\.min_lr: must not exceed lr"):
