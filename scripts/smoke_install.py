@@ -45,7 +45,7 @@ cfg = verl_config.compose_config(
 assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
 try:
     verl_config.load_config("ppo_trainer")
-except verl_config.ConfigValueError as err:
+except verl_config.ConfigError as err:  # ConfigErrors when several keys are missing
     assert "ppo_micro_batch_size_per_gpu" in str(err), err
 else:
     raise AssertionError("a config without micro-batch sizes was accepted")
