@@ -73,6 +73,12 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "HF weights: load, export (TP, PP)", ("test_weights",)),
     ("verl-mcore-utils", "LoRA with peft, HF adapters", ("test_lora",)),
     ("verl-mcore-utils", "offload / onload", ("test_offload",)),
+    ("verl-mcore-utils", "fused SwiGLU MLP (Triton)", ("test_swiglu", "test_gpu_swiglu")),
+    (
+        "verl-mcore-utils",
+        "weight-gradient accumulation fused into the GEMM (no apex)",
+        ("test_wgrad_fusion",),
+    ),
     ("verl-mcore-utils", "multi-process test helper", ("test_testing",)),
     ("verl-dyncp", "CP groups", ("test_groups",)),
     ("verl-dyncp", "planner: dynamic / static CP, split, merge, loss", ("test_planner",)),
@@ -85,7 +91,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mfsdp", "package installs alone", ("test_mfsdp_package",)),
     ("verl-mfsdp", "training, offload, export, checkpoints (GPU)", ("test_gpu_mfsdp*",)),
     ("verl-engine", "RL losses, LR schedules", ("test_losses", "test_lr_schedule")),
-    ("verl-engine", "log-probs, entropy, fused LM head", ("test_logprobs", "test_fused_head")),
+    (
+        "verl-engine",
+        "log-probs, entropy, fused LM head",
+        ("test_logprobs", "test_fused_head", "test_gpu_vocab_kernels"),
+    ),
     (
         "verl-engine",
         "batches: packed, padded, verl's layout",
@@ -121,6 +131,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "test_gpu_offload",
             "test_gpu_lora",
             "test_gpu_fused_adam",
+            "test_gpu_wgrad_fusion",
         ),
     ),
     ("verl-engine", "CLI start-up output", ("test_cli_output",)),

@@ -745,3 +745,52 @@ def gpu_engines_in_turn(rank: int, world_size: int, hf_config: dict[str, Any], r
         out["after"].append(torch.cuda.memory_allocated())
         out["reserved_after"].append(torch.cuda.memory_reserved())
     return out
+
+
+def gpu_wgrad_fusion_grads(
+    rank: int, world_size: int, hf_config: dict[str, Any], fused_head: bool, runs: list[str]
+) -> list[dict[str, Any]]:
+    """One PPO forward/backward (two micro-batches of two sequences) on one GPU per entry of ``runs``
+    ("default": megatron-core's wgrad accumulation fusion left to the engine's default, "off": switched
+    off), engines built and closed in turn; every parameter's fp32 ``main_grad`` of each run, and whether
+    the fused GEMM was really in use."""
+    from functools import partial
+
+    from megatron.core.tensor_parallel import layers
+
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import get_model_config
+
+    batch = verl_batch(
+        seed=0, prompt_lens=[5, 9, 3, 7], response_lens=[60, 30, 90, 45], vocab=hf_config["vocab_size"]
+    )
+    base = [
+        "trainer.n_gpus_per_node=1",
+        f"actor_rollout_ref.model.use_fused_kernels={str(fused_head).lower()}",
+    ]
+    knob = "actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion"
+    out: list[dict[str, Any]] = []
+    for run in runs:
+        extra = [] if run == "default" else [f"{knob}=false"]
+        engine, cfg = _engine([*base, *extra], "actor", "random-init", "cuda", hf_config=hf_config)
+        chunk = engine.model[0] if isinstance(engine.model, list) else engine.model
+        config = get_model_config(chunk)
+        engine.optimizer_zero_grad()
+        with engine.train_mode():
+            result = engine.forward_backward_batch(
+                {**batch, "calculate_entropy": True},
+                partial(ppo_loss, config=cfg.actor_rollout_ref.actor),
+                forward_only=False,
+            )
+            # inside train_mode: leaving it may release the gradient buffers (the engine's lifecycle)
+            grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in chunk.named_parameters()}
+        out.append(
+            {
+                "flag": bool(config.gradient_accumulation_fusion),
+                "available": bool(layers._grad_accum_fusion_available),
+                "loss": float(result["loss"]),
+                "grads": grads,
+            }
+        )
+        engine.close()
+    return out

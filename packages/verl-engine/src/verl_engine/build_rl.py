@@ -89,6 +89,7 @@ def build_rl_engine(
     from verl_mcore_utils.module import make_megatron_module
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.transformer_config import hf_to_transformer_config
+    from verl_mcore_utils.wgrad_fusion import with_wgrad_fusion
 
     if hf_config is None:
         if not model_path:
@@ -143,6 +144,8 @@ def build_rl_engine(
             " use_remove_padding=true or context_parallel_size=1 and dynamic_context_parallel=false"
         )
     dtype = "float32" if debug else engine.dtype
+    trains = optim is not None and not engine.forward_only
+    fsdp = bool(engine.use_megatron_fsdp) and not debug
     tf_config = hf_to_transformer_config(
         hf,
         dtype=dtype,
@@ -151,7 +154,12 @@ def build_rl_engine(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=1,
         sequence_parallel=engine.sequence_parallel and tp > 1,
-        overrides=engine.given_transformer_overrides(),
+        # weight gradients accumulated into DDP's main_grad inside the GEMM, where the chunks get megatron DDP
+        overrides=with_wgrad_fusion(
+            engine.given_transformer_overrides(),
+            device=device,
+            megatron_ddp=trains and not debug and not fsdp,
+        ),
     )
     torch.manual_seed(engine.seed)
     from verl_dyncp.model import THDGPTModelProvider
@@ -163,12 +171,10 @@ def build_rl_engine(
         kernel=engine.packed_attention_backend,
         mtp_num_layers=mtp_layers,
     )
-    trains = optim is not None and not engine.forward_only
     # DDP only for a role that trains on the megatron backend (the CPU debug backend takes the bare chunk).
     wrap = WrapConfig(
         **{**engine.wrap_config_kwargs(is_value_model=value_model), "wrap_with_ddp": trains and not debug}
     )
-    fsdp = bool(engine.use_megatron_fsdp) and not debug
     if fsdp and lora is not None:
         raise NotImplementedError(
             "LoRA (model.lora.rank > 0) with megatron.use_megatron_fsdp=true is not supported by verl-engine yet;"

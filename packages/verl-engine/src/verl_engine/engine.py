@@ -50,6 +50,7 @@ from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
 from verl_mcore_utils.parallel import ParallelDims
 from verl_mcore_utils.transformer_config import hf_to_transformer_config
+from verl_mcore_utils.wgrad_fusion import with_wgrad_fusion
 
 if TYPE_CHECKING:
     from verl_dyncp.planner import WorkloadModel
@@ -399,7 +400,11 @@ def build_engine(
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=dims.cp,
         sequence_parallel=m.sequence_parallel,
-        overrides=m.given_transformer_overrides(),
+        overrides=with_wgrad_fusion(
+            m.given_transformer_overrides(),
+            device=device,
+            megatron_ddp=not debug and not m.use_megatron_fsdp,
+        ),
     )
     # CPU initialisation with one seed: identical weights whatever the DP / CP layout. Not across TP sizes on
     # megatron-core 0.14, which initialises TP-sharded weights differently from TP 1 (0.19 does not):

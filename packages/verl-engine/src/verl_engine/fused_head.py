@@ -143,8 +143,10 @@ class _FusedLMHead(torch.autograd.Function):
             lse=lse,
             entropy=entropy,
             grad_outputs=grad_outputs,
+            grad_dtype=weight.dtype,
+            overwrite_chunk=True,  # the recomputed chunk is this loop's own: its gradient may replace it
         ):
-            g = chunk_grad.to(weight.dtype)
+            g = chunk_grad
             del chunk_grad
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[start:end])

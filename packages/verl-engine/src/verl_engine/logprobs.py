@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_engine import vocab_kernels
+
 __all__ = ["log_probs_from_logits", "vocab_parallel_log_probs_and_entropy"]
 
 # ``(start, end) -> logits[start:end]`` of this rank's vocabulary shard, any float dtype
@@ -154,7 +156,8 @@ def _shard_statistics(
     where this rank owns the label, else 0. Shifting by the local max keeps exp in range without a first
     pass for the global max; :func:`_combine_shards` rescales to the global max afterwards.
     ``chunk_logits(start, end)`` gives the logits of tokens ``[start, end)`` (a view of stored logits, or
-    computed from hidden states by :mod:`verl_engine.fused_head`).
+    computed from hidden states by :mod:`verl_engine.fused_head`). On CUDA the statistics come from
+    :mod:`verl_engine.vocab_kernels` (same values, no float32 copy of the chunk).
     """
     stats = {
         name: torch.zeros(num_tokens, dtype=torch.float32, device=device)
@@ -162,7 +165,20 @@ def _shard_statistics(
     }
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        scaled = _scaled_chunk(chunk_logits(start, end), temperature=temperature)
+        chunk = chunk_logits(start, end)
+        if vocab_kernels.kernels_apply(chunk):  # one read of the chunk per statistic pass
+            picked = _scaled_chunk(chunk.gather(1, index.column[start:end, None]), temperature=temperature)
+            stats["label"][start:end] = torch.where(index.owned[start:end], picked.squeeze(1), 0.0)
+            chunk_max, sum_exp, sum_exp_s = vocab_kernels.row_statistics(
+                chunk, temperature=temperature, compute_entropy=compute_entropy
+            )
+            stats["max"][start:end], stats["sum_exp"][start:end] = chunk_max, sum_exp
+            if sum_exp_s is not None:
+                stats["sum_exp_s"][start:end] = sum_exp_s
+            del chunk
+            continue
+        scaled = _scaled_chunk(chunk, temperature=temperature)
+        del chunk
         picked = scaled.gather(1, index.column[start:end, None]).squeeze(1)
         stats["label"][start:end] = torch.where(index.owned[start:end], picked, torch.zeros_like(picked))
         chunk_max = scaled.amax(dim=1)
@@ -300,8 +316,17 @@ def chunked_backward(
     lse: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_outputs: tuple[torch.Tensor | None, ...],
+    grad_dtype: torch.dtype,
+    chunk_out: ChunkLogits | None = None,
+    overwrite_chunk: bool = False,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(start, end, float32 gradient of logits[start:end])`` chunk by chunk; nothing when no grad flows."""
+    """``(start, end, gradient of logits[start:end] in grad_dtype)`` chunk by chunk; nothing when no grad flows.
+
+    Computed in float32 and rounded once to ``grad_dtype``. ``chunk_out(start, end)`` names where the
+    chunk's gradient may be written (the caller's gradient buffer); ``overwrite_chunk`` lets it replace
+    the chunk ``chunk_logits`` returned (a fresh recomputation); otherwise a new tensor is made. On CUDA one kernel (:mod:`verl_engine.vocab_kernels`) reads the chunk and
+    writes the gradient there; elsewhere torch ops in a float32 copy.
+    """
     grad_log_probs = grad_outputs[0]
     grad_entropy = grad_outputs[1] if ctx.compute_entropy else None
     if grad_log_probs is None and grad_entropy is None:
@@ -311,22 +336,43 @@ def chunked_backward(
         grad_log_probs = torch.where(index.valid, grad_log_probs.float(), torch.zeros_like(lse))
     if grad_entropy is not None:
         grad_entropy = grad_entropy.float()
+    label_column = None
     for start in range(0, num_tokens, ctx.chunk_size):
         end = min(start + ctx.chunk_size, num_tokens)
-        yield (
-            start,
-            end,
-            _chunk_grad(
-                _scaled_chunk(chunk_logits(start, end), temperature=ctx.temperature),
-                lse=lse[start:end],
-                entropy=None if entropy is None else entropy[start:end],
-                grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
-                grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
-                owned=index.owned[start:end],
-                column=index.column[start:end],
-                temperature=ctx.temperature,
-            ),
+        chunk = chunk_logits(start, end)
+        if vocab_kernels.kernels_apply(chunk):
+            if label_column is None:  # -1 where this rank does not own the label
+                label_column = torch.where(index.owned, index.column, -1)
+            out = chunk_out(start, end) if chunk_out is not None else chunk if overwrite_chunk else None
+            if out is None or out.dtype != grad_dtype:
+                out = torch.empty(chunk.shape, dtype=grad_dtype, device=chunk.device)
+            yield (
+                start,
+                end,
+                vocab_kernels.logits_grad(
+                    chunk,
+                    out=out,
+                    lse=lse[start:end],
+                    entropy=None if entropy is None else entropy[start:end],
+                    grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
+                    grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
+                    label_column=label_column[start:end],
+                    temperature=ctx.temperature,
+                ),
+            )
+            continue
+        grad = _chunk_grad(
+            _scaled_chunk(chunk, temperature=ctx.temperature),
+            lse=lse[start:end],
+            entropy=None if entropy is None else entropy[start:end],
+            grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
+            grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
+            owned=index.owned[start:end],
+            column=index.column[start:end],
+            temperature=ctx.temperature,
         )
+        del chunk
+        yield start, end, grad.to(grad_dtype)
 
 
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
@@ -361,7 +407,8 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         logits, labels, lse, entropy = ctx.saved_tensors
-        grad_logits = None
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        written = False
         for start, end, chunk_grad in chunked_backward(
             ctx,
             lambda start, end: logits[start:end],
@@ -371,9 +418,11 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
             lse=lse,
             entropy=entropy,
             grad_outputs=grad_outputs,
+            grad_dtype=logits.dtype,
+            chunk_out=lambda start, end: grad_logits[start:end],
         ):
-            if grad_logits is None:
-                grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            grad_logits[start:end].copy_(chunk_grad)
+            written = True
+            if chunk_grad.data_ptr() != grad_logits[start:end].data_ptr():
+                grad_logits[start:end].copy_(chunk_grad)
             del chunk_grad
-        return grad_logits, None, None, None, None, None
+        return (grad_logits if written else None), None, None, None, None, None

@@ -11,7 +11,9 @@ Public API:
 * Weights: :func:`load_hf_weights`, :func:`export_hf_weights`, :func:`save_hf_weights` (TP/PP aware).
 * Offload: :func:`offload_megatron_model` / :func:`onload_megatron_model` and the optimizer pair.
 * Optimizer: :func:`use_fused_torch_adam` (torch's fused Adam kernel where megatron-core fell back to torch's
-  Adam; :func:`compat.make_megatron_optimizer` applies it).
+  Adam; :func:`compat.make_megatron_optimizer` applies it); :func:`with_wgrad_fusion` /
+  :func:`enable_wgrad_accumulation_fusion` (weight gradients accumulated into ``main_grad`` inside the GEMM
+  without apex).
 * No Transformer Engine needed: :class:`SDPACoreAttention`, portable RoPE, local layer spec.
 * Optional extras (import the submodule): ``verl_mcore_utils.bridges`` (``[mbridge]``) and
   ``verl_mcore_utils.lora`` (``[peft]``: LoRA pre-wrap hook, Hugging Face PEFT adapters).
@@ -70,6 +72,10 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.weights import export_hf_weights as export_hf_weights
     from verl_mcore_utils.weights import load_hf_weights as load_hf_weights
     from verl_mcore_utils.weights import save_hf_weights as save_hf_weights
+    from verl_mcore_utils.wgrad_fusion import (
+        enable_wgrad_accumulation_fusion as enable_wgrad_accumulation_fusion,
+    )
+    from verl_mcore_utils.wgrad_fusion import with_wgrad_fusion as with_wgrad_fusion
 
 _LAZY: dict[str, str] = {
     "GPTModelProvider": "verl_mcore_utils.module",
@@ -88,7 +94,9 @@ _LAZY: dict[str, str] = {
     "build_gpt_model": "verl_mcore_utils.model",
     "build_mtp_block": "verl_mcore_utils.mtp",
     "destroy_parallel": "verl_mcore_utils.parallel",
+    "enable_wgrad_accumulation_fusion": "verl_mcore_utils.wgrad_fusion",
     "export_hf_weights": "verl_mcore_utils.weights",
+    "with_wgrad_fusion": "verl_mcore_utils.wgrad_fusion",
     "use_fused_torch_adam": "verl_mcore_utils.fused_adam",
     "get_model_config": "verl_mcore_utils.module",
     "hf_to_transformer_config": "verl_mcore_utils.transformer_config",

@@ -288,3 +288,26 @@ def megatron_fsdp_grad_precision(*, fp32: bool) -> dict[str, Any]:
         if name in available:
             fields[name] = dtype
     return fields
+
+
+def with_mlp_class(mlp_spec: Any, *, base: type, cls: type) -> Any:
+    """A layer spec's ``mlp`` entry building ``cls`` (a subclass of ``base``) where it built ``base``.
+
+    Up to 0.18 the entry is ``ModuleSpec(module=MLP, submodules=...)``; 0.19 writes it as
+    ``partial(MLP.as_mlp_submodule, submodules=...)``. Any other entry (MoE, Transformer Engine's fused MLP)
+    is returned unchanged.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(mlp_spec, ModuleSpec):
+        if mlp_spec.module is base:
+            return dataclasses.replace(mlp_spec, module=cls)
+        return mlp_spec
+    func = getattr(mlp_spec, "func", None)
+    if (
+        isinstance(mlp_spec, functools.partial)
+        and getattr(func, "__self__", None) is base
+        and getattr(func, "__name__", "") == "as_mlp_submodule"
+    ):
+        return functools.partial(cls.as_mlp_submodule, *mlp_spec.args, **mlp_spec.keywords)
+    return mlp_spec

@@ -8,19 +8,25 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_mcore_utils.attention import SDPACoreAttention
-from verl_mcore_utils.compat import hf_rope_parameters
+from verl_mcore_utils.compat import hf_rope_parameters, with_mlp_class
 from verl_mcore_utils.rope import make_rope_portable
+from verl_mcore_utils.swiglu import FusedSwiGLUMLP
 from verl_mcore_utils.transformer_config import hf_get
 
 __all__ = ["build_gpt_model", "local_layer_spec", "rope_theta"]
 
 
 def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDPACoreAttention) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with ``core_attention`` swapped in (no Transformer Engine)."""
+    """megatron-core's local GPT layer spec with ``core_attention`` swapped in (no Transformer Engine).
+
+    The MLP is :class:`verl_mcore_utils.swiglu.FusedSwiGLUMLP`: megatron-core's MLP whose gated SiLU runs
+    as one Triton kernel on CUDA (megatron-core's own forward everywhere else).
+    """
     if tf_config.sequence_parallel:
         raise ValueError(
             "sequence_parallel=True needs Transformer Engine's layer norm (megatron-core's torch norm asserts it off);"
@@ -31,6 +37,7 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
         qk_layernorm=tf_config.qk_layernorm,
     )
     spec.submodules.self_attention.submodules.core_attention = core_attention
+    spec.submodules.mlp = with_mlp_class(spec.submodules.mlp, base=MLP, cls=FusedSwiGLUMLP)
     return spec
 
 

@@ -1,0 +1,75 @@
+"""The fused SwiGLU MLP: in the local layer spec on every megatron-core release, and megatron-core's own
+forward wherever the Triton kernel does not apply (CPU here; the kernel itself is checked against the
+torch form on a GPU in test_gpu_swiglu.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from verl_mcore_utils.compat import with_mlp_class
+from verl_mcore_utils.presets import qwen2_preset
+from verl_mcore_utils.swiglu import FusedSwiGLUMLP, fused_swiglu, fused_swiglu_applies
+from verl_mcore_utils.testing import run_distributed
+from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+
+def test_torch_form_off_cuda() -> None:
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    assert not fused_swiglu_applies(x)
+    gate, up = x.detach().chunk(2, dim=-1)
+    torch.testing.assert_close(fused_swiglu(x), torch.nn.functional.silu(gate) * up, rtol=0, atol=0)
+
+
+def test_other_mlp_entries_are_left_alone() -> None:
+    class Other(torch.nn.Module):
+        pass
+
+    spec = ModuleSpec(module=Other)
+    assert with_mlp_class(spec, base=MLP, cls=FusedSwiGLUMLP) is spec
+    other = functools.partial(print, "x")
+    assert with_mlp_class(other, base=MLP, cls=FusedSwiGLUMLP) is other
+
+
+def _models(rank: int, world_size: int) -> dict[str, object]:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from verl_mcore_utils.attention import SDPACoreAttention
+    from verl_mcore_utils.model import build_gpt_model, local_layer_spec
+    from verl_mcore_utils.parallel import init_parallel
+
+    init_parallel(device="cpu")
+    hf = qwen2_preset("tiny", vocab_size=128)
+    tf = hf_to_transformer_config(hf, dtype="float32")
+    plain = get_gpt_layer_local_spec(normalization="RMSNorm")
+    plain.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    out: dict[str, object] = {}
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    for name, spec in (("fused", local_layer_spec(tf)), ("plain", plain)):
+        torch.manual_seed(0)
+        model = build_gpt_model(hf_config=hf, tf_config=tf, device="cpu", layer_spec=spec)
+        mlp = model.decoder.layers[0].mlp
+        loss = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens).mean()
+        loss.backward()
+        out[name] = {
+            "type": type(mlp).__name__,
+            "is_mlp": isinstance(mlp, MLP),
+            "loss": float(loss),
+            "state_keys": sorted(model.state_dict()),
+            "fc1_grad": model.decoder.layers[0].mlp.linear_fc1.weight.grad.clone(),
+        }
+    return out
+
+
+def test_local_spec_builds_the_fused_mlp_with_megatrons_math_on_cpu() -> None:
+    (out,) = run_distributed(_models, world_size=1)
+    fused, plain = out["fused"], out["plain"]
+    assert fused["type"] == "FusedSwiGLUMLP" and fused["is_mlp"]
+    assert plain["type"] == "MLP"
+    assert fused["state_keys"] == plain["state_keys"]  # checkpoints are MLP's
+    assert fused["loss"] == plain["loss"]
+    torch.testing.assert_close(fused["fc1_grad"], plain["fc1_grad"], rtol=0, atol=0)
