@@ -5,8 +5,9 @@
 A Qwen2.5-shaped megatron-core model (random weights, bf16, no Transformer Engine) built by
 ``rl_engine_from_config`` (verl-config ``ppo_trainer``, model_engine=megatron, distributed optimizer,
 dynamic batch size with ``ppo_max_token_len_per_gpu = --seq``: micro-batches of one ``--seq``-token
-packed row). For each LM-head variant (megatron-core's output layer + chunked log-probs, and the fused
-head of ``model.use_fused_kernels``) and each step size in ``--steps-of``:
+packed row; ``--max-token-len`` packs several sequences per micro-batch). For each LM-head variant
+(megatron-core's output layer + chunked log-probs, and the fused head of ``model.use_fused_kernels``) and
+each step size in ``--steps-of`` (``--parts`` picks which of the three below run):
 
 * SFT step: ``optimizer_zero_grad`` + ``forward_backward_batch(sft_loss)`` + ``optimizer_step``;
 * PPO actor step: the same with verl's PPO loss and the entropy term (``calculate_entropy``);
@@ -25,6 +26,7 @@ after (``Engine.close`` returns everything).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -149,7 +151,14 @@ def train_step(engine, loss_fn, data, optimizer_s: list[float]):
 
 
 def build(
-    shape: str, *, seq: int, fused: bool, sequences: int, recompute: bool = False, extra: tuple[str, ...] = ()
+    shape: str,
+    *,
+    seq: int,
+    fused: bool,
+    sequences: int,
+    recompute: bool = False,
+    extra: tuple[str, ...] = (),
+    max_token_len: int | None = None,
 ) -> tuple:
     from verl_config import load_config
     from verl_engine.build_rl import rl_engine_from_config
@@ -165,7 +174,7 @@ def build(
         f"data.train_batch_size={sequences}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences}",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={seq}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len or seq}",
         "actor_rollout_ref.actor.optim.total_training_steps=100",
         "actor_rollout_ref.actor.entropy_coeff=0.001",
         "actor_rollout_ref.actor.megatron.sequence_parallel=false",
@@ -196,6 +205,7 @@ def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dic
         sequences=biggest,
         recompute=args.recompute,
         extra=tuple(args.override),
+        max_token_len=args.max_token_len,
     )
     ppo = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     for count in args.steps_of:
@@ -208,7 +218,7 @@ def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dic
             ("sft", sft_loss, batch),
             ("ppo", ppo, {**batch, "calculate_entropy": True}),
         ):
-            if name == "ppo" and count != min(args.steps_of):
+            if name not in args.parts or (name == "ppo" and count != min(args.steps_of)):
                 continue  # the PPO step at the smallest step size only (its cost per token is the SFT one's)
             optimizer_s: list[float] = []
             with engine.train_mode():
@@ -227,16 +237,19 @@ def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dic
                 "peak_memory_gib": m["peak_memory_gib"],
                 "loss": float(m["last"]["loss"]),
             }
-        with engine.eval_mode():
-            m = measure(partial(engine.infer_batch, {**batch, "calculate_entropy": True}), repeat=args.repeat)
-        forward_flops = flops / 3
-        record["log_prob"] = {
-            "seconds": m["seconds"],
-            "tokens_per_s": tokens / m["seconds"],
-            "model_tflops": forward_flops / m["seconds"] / 1e12,
-            "mfu": forward_flops / m["seconds"] / 1e12 / PEAK_BF16_TFLOPS,
-            "peak_memory_gib": m["peak_memory_gib"],
-        }
+        if "log_prob" in args.parts:
+            with engine.eval_mode():
+                m = measure(
+                    partial(engine.infer_batch, {**batch, "calculate_entropy": True}), repeat=args.repeat
+                )
+            forward_flops = flops / 3
+            record["log_prob"] = {
+                "seconds": m["seconds"],
+                "tokens_per_s": tokens / m["seconds"],
+                "model_tflops": forward_flops / m["seconds"] / 1e12,
+                "mfu": forward_flops / m["seconds"] / 1e12 / PEAK_BF16_TFLOPS,
+                "peak_memory_gib": m["peak_memory_gib"],
+            }
         out["steps"][str(count)] = record
         print(json.dumps({"fused": fused, **record}, default=float), flush=True)
     # the engine's own memory: parameters, gradients and optimizer state, then close() returns it all
@@ -261,11 +274,40 @@ def main() -> None:
         "--recompute", action="store_true", help="full activation recompute (MFU excludes it)"
     )
     parser.add_argument("--override", nargs="*", default=[], help="extra verl config overrides (key=value)")
+    parser.add_argument(
+        "--max-token-len",
+        type=int,
+        default=None,
+        help="tokens per packed micro-batch row (ppo_max_token_len_per_gpu; default --seq: one sequence each)",
+    )
+    parser.add_argument(
+        "--torch-ops",
+        nargs="*",
+        choices=("swiglu", "vocab"),
+        default=[],
+        help="run these parts with torch ops instead of our Triton kernels (A/B)",
+    )
+    parser.add_argument(
+        "--parts", nargs="+", choices=("sft", "ppo", "log_prob"), default=["sft", "ppo", "log_prob"]
+    )
     args = parser.parse_args()
 
     from verl_mcore_utils.parallel import init_parallel
 
     init_parallel(device="cuda")
+    with contextlib.ExitStack() as stack:
+        if "swiglu" in args.torch_ops:
+            from verl_mcore_utils.swiglu import torch_form_only
+
+            stack.enter_context(torch_form_only())
+        if "vocab" in args.torch_ops:
+            from verl_engine.vocab_kernels import torch_ops_only
+
+            stack.enter_context(torch_ops_only())
+        run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> None:
     ceiling = matmul_ceiling_tflops()
     start = torch.cuda.memory_allocated() / 2**30
     variants = [run_variant(args, fused=v == "fused", ceiling=ceiling) for v in args.variants]
@@ -280,7 +322,7 @@ def main() -> None:
             "shape": args.shape,
             "seq": args.seq,
             "lengths": args.lengths,
-            "micro_batch": f"one packed row of {args.seq} tokens (dynamic bsz)",
+            "micro_batch": f"one packed row of {args.max_token_len or args.seq} tokens (dynamic bsz)",
             "dtype": "bfloat16",
             "transformer_engine": False,
             "activation_recompute": "full, uniform, 1 layer" if args.recompute else "none",
@@ -288,6 +330,7 @@ def main() -> None:
             "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
             "peak_bf16_tflops": PEAK_BF16_TFLOPS,
             "overrides": args.override,
+            "torch_ops_instead_of_triton": args.torch_ops,
         },
         "matmul_ceiling_tflops": ceiling,
         "memory_gib_at_start": start,

@@ -28,6 +28,25 @@ from engine_step_gpu import SHAPES, build, lengths_for, make_batch, train_step
 SYNCING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 
 
+KERNEL_KINDS = (  # first match wins; names of cuBLAS / cuDNN / flash / torch / Triton kernels
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("attention", ("fmha", "flash", "attn", "cudnn")),
+    ("optimizer", ("adam", "multi_tensor", "_foreach")),
+    ("norm", ("norm",)),
+    ("copy / cast", ("copy", "cast", "memcpy", "memset", "fill", "cat")),
+    ("triton (ours / compiled)", ("triton",)),
+    ("reduction", ("reduce",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "elementwise / other"
+
+
 def analyse(trace: dict, *, top: int) -> dict:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
@@ -64,6 +83,10 @@ def analyse(trace: dict, *, top: int) -> dict:
         if any(e["name"].startswith(s) for s in SYNCING):
             sync_time[e["name"]] += e["dur"]
             sync_count[e["name"]] += 1
+    by_kind = collections.Counter()
+    for e in events:
+        if e.get("cat") == "kernel":
+            by_kind[kernel_kind(e["name"])] += e["dur"]
     hist = collections.Counter()
     for d, _, _ in gaps:
         bucket = "<10us" if d < 10 else "10-100us" if d < 100 else "0.1-1ms" if d < 1000 else ">1ms"
@@ -73,6 +96,7 @@ def analyse(trace: dict, *, top: int) -> dict:
         "kernel_busy_ms": busy / 1e3,
         "idle_ms": (end - start - busy) / 1e3,
         "idle_by_gap_size_ms": {k: v / 1e3 for k, v in hist.items()},
+        "kernel_ms_by_kind": {k: v / 1e3 for k, v in by_kind.most_common()},
         "gaps": len(gaps),
         "largest_gaps": [
             {"ms": d / 1e3, "at_ms": (a - start) / 1e3, "host_ops": overlapping(a, b)}
@@ -90,6 +114,7 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--override", nargs="*", default=[])
+    parser.add_argument("--max-token-len", type=int, default=None, help="tokens per packed micro-batch")
     args = parser.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -98,7 +123,14 @@ def main() -> None:
     from verl_mcore_utils.parallel import init_parallel
 
     init_parallel(device="cuda")
-    engine, _ = build(args.shape, seq=args.seq, fused=args.fused, sequences=8, extra=tuple(args.override))
+    engine, _ = build(
+        args.shape,
+        seq=args.seq,
+        fused=args.fused,
+        sequences=8,
+        extra=tuple(args.override),
+        max_token_len=args.max_token_len,
+    )
     batch = make_batch(
         lengths_for("fixed", count=8, seq=args.seq, seed=0), vocab=SHAPES[args.shape][5], seed=0
     )
@@ -137,7 +169,7 @@ def main() -> None:
         print(
             f"== {name}: wall {plain_wall * 1e3:.0f} ms unprofiled, traced {result['wall_ms']:.0f} ms,"
             f" kernels busy {result['kernel_busy_ms']:.0f} ms, idle {result['idle_ms']:.0f} ms"
-            f" {json.dumps(result['idle_by_gap_size_ms'])}"
+            f" {json.dumps(result['idle_by_gap_size_ms'])} kernels {json.dumps(result['kernel_ms_by_kind'])}"
         )
         print("   syncing calls:", json.dumps(result["syncing_runtime_calls"]))
         for g in result["largest_gaps"][:10]:
