@@ -94,7 +94,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "verl-engine",
         "log-probs, entropy, fused LM head",
-        ("test_logprobs", "test_fused_head", "test_gpu_vocab_kernels"),
+        ("test_logprobs", "test_fused_head", "test_gpu_vocab_kernels", "test_vocab_kernels_interpreted"),
     ),
     (
         "verl-engine",

@@ -73,3 +73,41 @@ def test_local_spec_builds_the_fused_mlp_with_megatrons_math_on_cpu() -> None:
     assert fused["state_keys"] == plain["state_keys"]  # checkpoints are MLP's
     assert fused["loss"] == plain["loss"]
     torch.testing.assert_close(fused["fc1_grad"], plain["fc1_grad"], rtol=0, atol=0)
+
+
+_INTERPRETED = """
+import torch
+from verl_mcore_utils.swiglu import _SwiGLU
+
+g = torch.Generator().manual_seed(0)
+for shape in [(7, 2 * 1500), (2, 3, 2 * 5)]:
+    x0 = 4 * torch.randn(shape, generator=g)
+    grad = torch.randn((*shape[:-1], shape[-1] // 2), generator=g)
+    x = x0.clone().requires_grad_()
+    y = _SwiGLU.apply(x)
+    y.backward(grad)
+    xr = x0.clone().requires_grad_()
+    gate, up = xr.chunk(2, dim=-1)
+    yr = torch.nn.functional.silu(gate) * up
+    yr.backward(grad)
+    torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_kernel_matches_the_torch_form_in_triton_interpreter() -> None:
+    """The Triton kernels' formulas (forward, both halves of backward) on the CPU: ``TRITON_INTERPRET=1``
+    runs them with numpy; it must be set before Triton is imported, hence a fresh process. float32: 1e-6."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

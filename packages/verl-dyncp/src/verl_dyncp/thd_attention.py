@@ -452,7 +452,9 @@ def _segment_plan(layout: ThdLayout) -> tuple[Any, ...]:
     return layout.segment_plan
 
 
+@functools.cache
 def _dense_backends() -> list[Any]:
+    """The fused SDPA kernels a dense call may use, cuDNN first (built once: this runs per layer and call)."""
     from torch.nn.attention import SDPBackend
 
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
