@@ -6,7 +6,7 @@ goes away, or it is killed. Starting a process that imports torch, megatron-core
 
 What a call leaves behind in the process must not change the next call, so after each call the worker
 puts back what a fresh process would have (:class:`_FreshState`): the environment, working directory and
-``sys.path``; torch's default dtype, thread count, default RNG state, grad mode, deterministic-algorithm
+``sys.path``; a new random seed for torch's default generator; torch's default dtype, thread count, grad mode, deterministic-algorithm
 flags and float32 matmul precision; megatron-core's parallel state, microbatch calculator and RNG tracker;
 the process group; and once-only warnings. What it cannot put back (a module attribute a call patched,
 a C library's state) is why :func:`run_distributed` keeps ``fresh=True``.
@@ -135,7 +135,6 @@ class _FreshState:
     sys_path: list[str]
     default_dtype: torch.dtype
     num_threads: int
-    rng_state: torch.Tensor
     grad_enabled: bool
     deterministic: bool
     deterministic_warn_only: bool
@@ -149,7 +148,6 @@ class _FreshState:
             sys_path=list(sys.path),
             default_dtype=torch.get_default_dtype(),
             num_threads=torch.get_num_threads(),
-            rng_state=torch.random.get_rng_state(),
             grad_enabled=torch.is_grad_enabled(),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -167,7 +165,7 @@ class _FreshState:
         sys.path[:] = self.sys_path
         torch.set_default_dtype(self.default_dtype)
         torch.set_num_threads(self.num_threads)
-        torch.random.set_rng_state(self.rng_state)
+        torch.seed()  # a new process starts from a random seed too: no call sees another's draws
         torch.set_grad_enabled(self.grad_enabled)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
         torch.set_float32_matmul_precision(self.matmul_precision)
