@@ -31,6 +31,18 @@ def _rank1_dies(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_results_come_back_by_rank() -> None:
     assert run_distributed(_sum_of_ranks, world_size=3) == [(0, 3.0), (1, 3.0), (2, 3.0)]
     # back to back: every run gets its own rendezvous server (no port picked, released and re-bound)
@@ -38,9 +50,15 @@ def test_results_come_back_by_rank() -> None:
 
 
 def test_a_failing_rank_is_reraised_with_its_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    before = run_distributed(_pid, world_size=2)
     with pytest.raises(DistributedRunError, match=r"(?s)--- rank 1 ---.*ValueError: rank one refuses"):
         run_distributed(_rank1_raises, world_size=2, timeout_s=120)
     assert "rank one refuses" in capfd.readouterr().err  # also at the end of the test's output
+    # the failed run's workers are killed, never reused: the next run gets new ones and works
+    assert not any(_alive(p) for p in before)
+    after = run_distributed(_sum_of_ranks, world_size=2)
+    assert after == [(0, 1.0), (1, 1.0)]
+    assert not set(run_distributed(_pid, world_size=2)) & set(before)
 
 
 def test_a_dying_rank_is_an_error_not_a_hang() -> None:
@@ -79,18 +97,6 @@ def test_tensor_results_outlive_the_ranks(monkeypatch: pytest.MonkeyPatch) -> No
 # Warm workers: gloo runs share the session's spawned processes; each call must find them as fresh ones.
 
 
-def _pid(rank: int, world_size: int) -> int:
-    return os.getpid()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_workers_are_reused_across_calls() -> None:
     first = run_distributed(_pid, world_size=2)
     assert run_distributed(_pid, world_size=2) == first
@@ -107,16 +113,6 @@ def test_fresh_runs_get_new_processes_and_leave_the_pool_alone() -> None:
     while any(_alive(p) for p in fresh) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in fresh)  # a fresh run's processes exit with it
-
-
-def test_a_failed_run_kills_the_pool_and_the_next_run_works() -> None:
-    before = run_distributed(_pid, world_size=2)
-    with pytest.raises(DistributedRunError, match=r"(?s)--- rank 1 ---.*ValueError: rank one refuses"):
-        run_distributed(_rank1_raises, world_size=2, timeout_s=120)
-    assert not any(_alive(p) for p in before)
-    after = run_distributed(_pid, world_size=2)
-    assert not set(after) & set(before)
-    assert run_distributed(_sum_of_ranks, world_size=2) == [(0, 1.0), (1, 1.0)]
 
 
 def _rank0_hangs(rank: int, world_size: int) -> None:
@@ -160,16 +156,16 @@ def _process_state(rank: int, world_size: int) -> dict[str, object]:
 
 
 def test_a_call_leaves_nothing_behind_for_the_next(tmp_path: Path) -> None:
-    fresh = run_distributed(_process_state, world_size=2, fresh=True)
+    before = run_distributed(_process_state, world_size=2)
     run_distributed(_dirty_the_process, world_size=2, args=(str(tmp_path),))
-    reused = run_distributed(_process_state, world_size=2)
-    for got, want in zip(reused, fresh, strict=True):
-        assert got.pop("pid") != want.pop("pid")
+    after = run_distributed(_process_state, world_size=2)
+    for got, want in zip(after, before, strict=True):
+        assert got.pop("pid") == want.pop("pid")  # the same process, put back as it was
         # the default generator is seeded anew, as a new process's is (at random), not left at 123
         assert not torch.equal(got.pop("draw"), torch.rand(3, generator=torch.Generator().manual_seed(123)))
         want.pop("draw")
         assert got == want
-        assert got["leak"] is None and got["master"] == "127.0.0.1"
+        assert got["leak"] is None and got["master"] == "127.0.0.1" and got["cwd"] == os.getcwd()
 
 
 def _dirty_megatron(rank: int, world_size: int) -> None:
@@ -209,5 +205,5 @@ def test_a_changed_caller_environment_gets_new_workers(monkeypatch: pytest.Monke
 
 def test_sharing_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VERL_TEST_FRESH_WORKERS", "1")
-    first = run_distributed(_pid, world_size=2)
-    assert not set(run_distributed(_pid, world_size=2)) & set(first)
+    first = run_distributed(_pid, world_size=1)
+    assert run_distributed(_pid, world_size=1) != first

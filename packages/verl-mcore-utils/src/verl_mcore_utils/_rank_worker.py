@@ -167,7 +167,13 @@ class _FreshState:
         torch.set_num_threads(self.num_threads)
         torch.seed()  # a new process starts from a random seed too: no call sees another's draws
         torch.set_grad_enabled(self.grad_enabled)
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
+        # Only when changed: the first call of use_deterministic_algorithms loads torch's compiler (3 s).
+        wanted = (self.deterministic, self.deterministic_warn_only)
+        if (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ) != wanted:
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
         torch.set_float32_matmul_precision(self.matmul_precision)
         _reset_once_only_warnings()
         gc.collect()  # the call's models and optimizer states: free them now, not during the next call
