@@ -35,6 +35,10 @@ def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
+def _env(rank: int, world_size: int, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -102,6 +106,9 @@ def test_workers_are_reused_across_calls() -> None:
     assert run_distributed(_pid, world_size=2) == first
     assert run_distributed(_pid, world_size=1) == first[:1]  # a smaller run takes the first workers
     assert os.getpid() not in first and len(set(first)) == 2
+    # what changes from test to test in the caller's environment is passed on, as a fresh spawn would see it
+    ((pid, name),) = run_distributed(_env, world_size=1, args=("PYTEST_CURRENT_TEST",))
+    assert pid == first[0] and "test_workers_are_reused_across_calls" in str(name)
 
 
 def test_fresh_runs_get_new_processes_and_leave_the_pool_alone() -> None:
@@ -190,10 +197,6 @@ def _megatron_state(rank: int, world_size: int) -> tuple[bool, bool, bool]:
 def test_megatron_state_does_not_leak_into_the_next_call() -> None:
     run_distributed(_dirty_megatron, world_size=2)
     assert run_distributed(_megatron_state, world_size=2) == [(False, False, False)] * 2
-
-
-def _env(rank: int, world_size: int, name: str) -> tuple[int, str | None]:
-    return os.getpid(), os.environ.get(name)
 
 
 def test_a_changed_caller_environment_gets_new_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,6 +50,7 @@ class Job:
     payload: bytes
     sys_path: list[str]
     cwd: str
+    environ: dict[str, str]  # the caller's variables that may differ from the worker's own (set for the call)
 
 
 def serve(conn: Connection) -> None:
@@ -83,6 +84,7 @@ def serve(conn: Connection) -> None:
 
 def _run(job: Job) -> tuple[int, int, bool, Any]:
     """Join the call's process group, run its function, return the report."""
+    os.environ.update(job.environ)
     os.environ.update(
         {
             "RANK": str(job.rank),

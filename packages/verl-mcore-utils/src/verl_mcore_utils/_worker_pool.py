@@ -29,12 +29,13 @@ import torch.multiprocessing as mp
 
 from verl_mcore_utils._rank_worker import Job, serve
 
-__all__ = ["FRESH_ENV", "WorkerPool", "discard", "shared_pool", "sharing_disabled"]
+__all__ = ["FRESH_ENV", "VOLATILE_ENV", "WorkerPool", "discard", "shared_pool", "sharing_disabled"]
 
 FRESH_ENV = "VERL_TEST_FRESH_WORKERS"
 
-# Variables that change during a test session without changing what a spawned process would do.
-_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+# Variables that change during a test session without changing what a spawned process would do: they are
+# sent with each call instead of replacing the pool.
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 @dataclass
@@ -114,7 +115,7 @@ def discard(pool: WorkerPool) -> None:
 
 
 def _stable_environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+    return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
 
 
 @atexit.register

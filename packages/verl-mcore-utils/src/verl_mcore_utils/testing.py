@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from verl_mcore_utils._rank_worker import Job
-from verl_mcore_utils._worker_pool import WorkerPool, discard, shared_pool, sharing_disabled
+from verl_mcore_utils._worker_pool import VOLATILE_ENV, WorkerPool, discard, shared_pool, sharing_disabled
 
 __all__ = ["DistributedRunError", "free_port", "run_distributed"]
 
@@ -79,13 +79,11 @@ def run_distributed(
     """
     if fresh is None:
         fresh = backend != "gloo"
+    fresh = fresh or sharing_disabled()
     # Pickled here: an argument that cannot be pickled fails in the caller, before any process is touched.
     payload = pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
-    if fresh or sharing_disabled():
-        pool = WorkerPool()
-        pool.grow(world_size)
-    else:
-        pool = shared_pool(world_size)
+    global _calls
+    _calls += 1
     # The rendezvous server lives here, on an OS-assigned port, until every rank is done (see module doc).
     server = dist.TCPStore(
         "127.0.0.1",
@@ -95,27 +93,15 @@ def run_distributed(
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    global _calls
-    _calls += 1
-    for rank in range(world_size):
-        job = Job(
-            call_id=_calls,
-            rank=rank,
-            world_size=world_size,
-            port=server.port,
-            backend=backend,
-            timeout_s=timeout_s,
-            payload=payload,
-            sys_path=list(sys.path),
-            cwd=os.getcwd(),
-        )
-        pool.submit(rank, job)
-    workers = pool.workers[:world_size]
+    pool = WorkerPool() if fresh else shared_pool(world_size)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}  # rank -> its traceback
     died: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
     try:
-        _collect(workers, _calls, timeout_s, results, failures, died)
+        pool.grow(world_size)
+        for rank in range(world_size):
+            pool.submit(rank, _job(_calls, rank, world_size, server.port, backend, timeout_s, payload))
+        _collect(pool.workers[:world_size], _calls, timeout_s, results, failures, died)
     except BaseException as err:  # a timeout, a silent death, or an interrupt: these workers are done for
         discard(pool)
         if isinstance(err, DistributedRunError):
@@ -133,9 +119,27 @@ def run_distributed(
         message = "distributed run failed:\n" + "\n".join(lines)
         _report(message)
         raise DistributedRunError(message)
-    if fresh or sharing_disabled():
+    if fresh:
         pool.stop()
     return [results[r] for r in range(world_size)]
+
+
+def _job(
+    call_id: int, rank: int, world_size: int, port: int, backend: str, timeout_s: float, payload: bytes
+) -> Job:
+    """One rank's share of the call, with what a process spawned now would take from this one."""
+    return Job(
+        call_id=call_id,
+        rank=rank,
+        world_size=world_size,
+        port=port,
+        backend=backend,
+        timeout_s=timeout_s,
+        payload=payload,
+        sys_path=list(sys.path),
+        cwd=os.getcwd(),
+        environ={k: os.environ[k] for k in VOLATILE_ENV if k in os.environ},
+    )
 
 
 _calls = 0  # numbers the calls: a report always names the call it belongs to
