@@ -104,10 +104,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(
 ) -> None:
     root = tmp_path / "killed"
     with pytest.raises(DistributedRunError, match="exited with codes"):
-        run_distributed(
+        run_distributed(  # fresh: the rank kills its own process, which then cannot serve later calls
             checkpoint_run,
             world_size=1,
             args=(model_dir, _overrides(1, []), batches, str(root), [1, 2], 1, False, True, 2),
+            fresh=True,
         )
     assert (root / "global_step_2.tmp").is_dir() and not (root / "global_step_2").exists()
     assert json.loads((root / "latest_checkpointed_iteration.txt").read_text()) == {"global_step": 1}

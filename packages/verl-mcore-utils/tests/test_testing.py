@@ -1,9 +1,10 @@
-"""run_distributed: results by rank, a failing or dying rank is a clear error (never a hang)."""
+"""run_distributed: results by rank, a failing or dying rank is a clear error (never a hang), warm workers."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,22 @@ def _rank1_dies(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def _env(rank: int, world_size: int, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_results_come_back_by_rank() -> None:
     assert run_distributed(_sum_of_ranks, world_size=3) == [(0, 3.0), (1, 3.0), (2, 3.0)]
     # back to back: every run gets its own rendezvous server (no port picked, released and re-bound)
@@ -37,9 +54,15 @@ def test_results_come_back_by_rank() -> None:
 
 
 def test_a_failing_rank_is_reraised_with_its_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    before = run_distributed(_pid, world_size=2)
     with pytest.raises(DistributedRunError, match=r"(?s)--- rank 1 ---.*ValueError: rank one refuses"):
         run_distributed(_rank1_raises, world_size=2, timeout_s=120)
     assert "rank one refuses" in capfd.readouterr().err  # also at the end of the test's output
+    # the failed run's workers are killed, never reused: the next run gets new ones and works
+    assert not any(_alive(p) for p in before)
+    after = run_distributed(_sum_of_ranks, world_size=2)
+    assert after == [(0, 1.0), (1, 1.0)]
+    assert not set(run_distributed(_pid, world_size=2)) & set(before)
 
 
 def test_a_dying_rank_is_an_error_not_a_hang() -> None:
@@ -69,7 +92,121 @@ def test_tensor_results_outlive_the_ranks(monkeypatch: pytest.MonkeyPatch) -> No
             time.sleep(4.0)
 
     monkeypatch.setattr(testing, "_record", slow_record)
-    results = run_distributed(_rank_tensor, world_size=2, timeout_s=120)
+    results = run_distributed(_rank_tensor, world_size=2, timeout_s=120, fresh=True)  # ranks that exit
     for rank, result in enumerate(results):
         assert torch.equal(result["values"], torch.arange(1000, dtype=torch.float32) + rank)
         assert not result["values"].is_shared()  # a private copy, not memory lent by a process
+
+
+# Warm workers: gloo runs share the session's spawned processes; each call must find them as fresh ones.
+
+
+def test_workers_are_reused_across_calls() -> None:
+    first = run_distributed(_pid, world_size=2)
+    assert run_distributed(_pid, world_size=2) == first
+    assert run_distributed(_pid, world_size=1) == first[:1]  # a smaller run takes the first workers
+    assert os.getpid() not in first and len(set(first)) == 2
+    # what changes from test to test in the caller's environment is passed on, as a fresh spawn would see it
+    ((pid, name),) = run_distributed(_env, world_size=1, args=("PYTEST_CURRENT_TEST",))
+    assert pid == first[0] and "test_workers_are_reused_across_calls" in str(name)
+
+
+def test_fresh_runs_get_new_processes_and_leave_the_pool_alone() -> None:
+    pooled = run_distributed(_pid, world_size=2)
+    fresh = run_distributed(_pid, world_size=2, fresh=True)
+    assert not set(fresh) & set(pooled)
+    assert run_distributed(_pid, world_size=2) == pooled
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in fresh) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in fresh)  # a fresh run's processes exit with it
+
+
+def _rank0_hangs(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_a_timeout_kills_the_pool_instead_of_hanging() -> None:
+    before = run_distributed(_pid, world_size=2)
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError, match=r"timed out after 3s: ranks \[0\] did not finish"):
+        run_distributed(_rank0_hangs, world_size=2, timeout_s=3)
+    assert time.monotonic() - start < 30
+    assert not any(_alive(p) for p in before)
+    assert run_distributed(_sum_of_ranks, world_size=2) == [(0, 1.0), (1, 1.0)]
+
+
+def _dirty_the_process(rank: int, world_size: int, tmp: str) -> None:
+    os.environ["VERL_TEST_LEAK"] = "1"
+    os.environ.pop("MASTER_ADDR")
+    os.chdir(tmp)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    torch.manual_seed(123)
+    torch.use_deterministic_algorithms(True)
+    torch.set_grad_enabled(False)
+
+
+def _process_state(rank: int, world_size: int) -> dict[str, object]:
+    return {
+        "pid": os.getpid(),
+        "leak": os.environ.get("VERL_TEST_LEAK"),
+        "master": os.environ.get("MASTER_ADDR"),
+        "cwd": os.getcwd(),
+        "dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),
+        "draw": torch.rand(3),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "grad": torch.is_grad_enabled(),
+    }
+
+
+def test_a_call_leaves_nothing_behind_for_the_next(tmp_path: Path) -> None:
+    before = run_distributed(_process_state, world_size=2)
+    run_distributed(_dirty_the_process, world_size=2, args=(str(tmp_path),))
+    after = run_distributed(_process_state, world_size=2)
+    for got, want in zip(after, before, strict=True):
+        assert got.pop("pid") == want.pop("pid")  # the same process, put back as it was
+        # the default generator is seeded anew, as a new process's is (at random), not left at 123
+        assert not torch.equal(got.pop("draw"), torch.rand(3, generator=torch.Generator().manual_seed(123)))
+        want.pop("draw")
+        assert got == want
+        assert got["leak"] is None and got["master"] == "127.0.0.1" and got["cwd"] == os.getcwd()
+
+
+def _dirty_megatron(rank: int, world_size: int) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tensor_parallel.get_cuda_rng_tracker()._is_initialized = True  # what seeding it sets (that needs CUDA)
+    init_num_microbatches_calculator(rank, None, 4, 1, world_size)
+
+
+def _megatron_state(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    from megatron.core import num_microbatches_calculator, parallel_state, tensor_parallel
+
+    return (
+        parallel_state.model_parallel_is_initialized(),
+        tensor_parallel.get_cuda_rng_tracker().is_initialized(),
+        num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None,
+    )
+
+
+def test_megatron_state_does_not_leak_into_the_next_call() -> None:
+    run_distributed(_dirty_megatron, world_size=2)
+    assert run_distributed(_megatron_state, world_size=2) == [(False, False, False)] * 2
+
+
+def test_a_changed_caller_environment_gets_new_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = run_distributed(_pid, world_size=1)
+    monkeypatch.setenv("VERL_TEST_CALLER_VAR", "x")
+    ((pid, value),) = run_distributed(_env, world_size=1, args=("VERL_TEST_CALLER_VAR",))
+    assert value == "x" and pid != before[0]  # spawned with the caller's environment, as a fresh run is
+
+
+def test_sharing_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VERL_TEST_FRESH_WORKERS", "1")
+    first = run_distributed(_pid, world_size=1)
+    assert run_distributed(_pid, world_size=1) != first
