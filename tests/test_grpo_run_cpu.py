@@ -15,6 +15,7 @@ reference engine, the transformers rollout engine.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,22 @@ def test_two_data_parallel_ranks_give_the_one_rank_run(tmp_path: Path) -> None:
         tol = 1e-5 if step == 1 else 1e-3
         for key in ("pg_loss", "grad_norm", "kl", "entropy"):
             assert abs(a[key] - b[key]) <= tol * abs(a[key]) + 1e-7, (step, key, a[key], b[key])
+
+
+def test_grpo_command_under_torchrun_with_two_ranks(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m verl_engine grpo`` on CPU (gloo): one run, written once by rank 0."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "verl_engine", "grpo", "--out", str(out), "--steps", "2", "--warmup-steps", "5", "--no-plot",
+        "trainer.device=cpu",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in records] == [1, 2]
+    assert done.stdout.count("held-out accuracy after step 2") == 1
+    assert (out / "checkpoints").is_dir() and (out / "sft" / "config.json").is_file()
