@@ -111,3 +111,67 @@ def test_kernel_matches_the_torch_form_in_triton_interpreter() -> None:
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_MODEL_INTERPRETED = """
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore_utils import swiglu
+from verl_mcore_utils.lora import peft_pre_wrap_hook
+from verl_mcore_utils.model import build_gpt_model
+from verl_mcore_utils.parallel import init_parallel
+from verl_mcore_utils.presets import qwen2_preset
+from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+init_parallel(device="cpu")
+hf = qwen2_preset("tiny", vocab_size=128)
+tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+positions = torch.arange(12).expand(2, 12)
+results = {}
+for lora in (False, True):
+    for name in ("kernel", "torch"):
+        torch.manual_seed(0)
+        model = build_gpt_model(hf_config=hf, tf_config=hf_to_transformer_config(hf, dtype="float32"), device="cpu")
+        if lora:
+            (model,) = peft_pre_wrap_hook({"rank": 4, "alpha": 8, "lora_B_init_method": "normal"}, verbose=False)([model])
+        run = lambda: model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=tokens).mean()
+        if name == "torch":
+            with swiglu.torch_form_only():
+                loss = run()
+                loss.backward()
+        else:
+            loss = run()
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[(lora, name)] = (float(loss), grads)
+    (lk, gk), (lt, gt) = results[(lora, "kernel")], results[(lora, "torch")]
+    assert abs(lk - lt) <= 1e-5 * abs(lt), (lora, lk, lt)
+    assert gk.keys() == gt.keys() and len(gk) > 0
+    for n in gt:
+        torch.testing.assert_close(gk[n], gt[n], rtol=1e-5, atol=1e-6, msg=n)
+assert swiglu._kernels.cache_info().currsize == 1  # the kernels were built, i.e. the fused path ran
+print("ok")
+"""
+
+
+def test_fused_mlp_in_a_model_with_and_without_lora_in_triton_interpreter() -> None:
+    """The fused branch of FusedSwiGLUMLP inside a megatron-core GPTModel (fc1 -> kernel -> fc2), with peft's
+    LoRA adapters on fc1 / fc2 and without, equals megatron-core's forward in loss and every gradient (fp32,
+    1e-5): the plumbing the GPU runs, executed on the CPU by Triton's interpreter in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    pytest.importorskip("peft")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _MODEL_INTERPRETED], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,7 +54,8 @@ def kernels_apply(logits: torch.Tensor) -> bool:
     """Whether the kernels can take ``logits`` (``[rows, V]``, CUDA, unit stride along the vocabulary)."""
     return (
         _enabled
-        and logits.is_cuda
+        # CUDA, or any tensor under Triton's CPU interpreter (TRITON_INTERPRET=1: how CPU tests run the kernels)
+        and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
         and logits.dim() == 2
         and logits.stride(1) == 1
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)

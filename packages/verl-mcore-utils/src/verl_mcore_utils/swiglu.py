@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,10 +51,15 @@ def _have_triton() -> bool:
     return True
 
 
+def _kernel_device(x: torch.Tensor) -> bool:
+    """CUDA, or any tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``: how CPU tests run the kernels)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def fused_swiglu_applies(x: torch.Tensor) -> bool:
     """Whether the kernel can take ``x`` (``[..., 2F]``, CUDA, contiguous, half or float)."""
     return (
-        x.is_cuda
+        _kernel_device(x)
         and x.is_contiguous()
         and x.shape[-1] % 2 == 0
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -151,7 +157,7 @@ class FusedSwiGLUMLP(MLP):
             and not getattr(config, "use_te_activation_func", False)
             and getattr(config, "activation_func_clamp_value", None) is None
             and not getattr(config, "glu_linear_offset", 0.0)
-            and x.is_cuda
+            and _kernel_device(x)
             and _have_triton()
         )
 
