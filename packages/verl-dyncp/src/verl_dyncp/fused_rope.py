@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from verl_mcore_utils.triton_support import have_triton
+
 __all__ = ["fused_rope", "fused_rope_applies"]
 
 
@@ -85,15 +87,6 @@ class _FusedRope(torch.autograd.Function):
         return _rotate(grad, cos, sin, sign=-1.0), None, None
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def fused_rope_applies(x: torch.Tensor, cos: torch.Tensor, *, interleaved: bool) -> bool:
     """True where the kernel computes what apply_rope_tables does: CUDA, rotate-half, the whole head dim
     rotated, a power-of-two head dim, fp16 / bf16 / fp32, and tables of one row per token."""
@@ -108,7 +101,7 @@ def fused_rope_applies(x: torch.Tensor, cos: torch.Tensor, *, interleaved: bool)
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and cos.dtype == x.dtype
         and cos.is_contiguous()
-        and _triton_available()
+        and have_triton()
     )
 
 

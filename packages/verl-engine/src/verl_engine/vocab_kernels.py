@@ -18,48 +18,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from verl_mcore_utils.triton_support import KernelSwitch, triton_runs_on
+
 __all__ = ["kernels_apply", "logits_grad", "row_statistics", "torch_ops_only"]
 
 _BLOCK = 4096
-_enabled = True
+_SWITCH = KernelSwitch()
 
 
-@contextlib.contextmanager
-def torch_ops_only() -> Iterator[None]:
+def torch_ops_only() -> contextlib.AbstractContextManager[None]:
     """Within the block the torch path runs on CUDA too: the reference of the tests and benchmarks."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-@functools.cache
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _SWITCH.off()
 
 
 def kernels_apply(logits: torch.Tensor) -> bool:
     """Whether the kernels can take ``logits`` (``[rows, V]``, CUDA, unit stride along the vocabulary)."""
     return (
-        _enabled
-        # CUDA, or any tensor under Triton's CPU interpreter (TRITON_INTERPRET=1: how CPU tests run the kernels)
-        and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        _SWITCH.enabled
+        and triton_runs_on(logits)
         and logits.dim() == 2
         and logits.stride(1) == 1
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and _have_triton()
     )
 
 

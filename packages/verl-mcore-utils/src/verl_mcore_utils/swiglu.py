@@ -17,53 +17,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from verl_mcore_utils.triton_support import KernelSwitch, triton_runs_on
+
 __all__ = ["FusedSwiGLUMLP", "fused_swiglu", "fused_swiglu_applies", "torch_form_only"]
 
 _BLOCK = 1024
-_enabled = True
+_SWITCH = KernelSwitch()
 
 
-@contextlib.contextmanager
-def torch_form_only() -> Iterator[None]:
+def torch_form_only() -> contextlib.AbstractContextManager[None]:
     """Within the block :class:`FusedSwiGLUMLP` runs megatron-core's forward on CUDA too (A/B benchmarks)."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-@functools.cache
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _kernel_device(x: torch.Tensor) -> bool:
-    """CUDA, or any tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``: how CPU tests run the kernels)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return _SWITCH.off()
 
 
 def fused_swiglu_applies(x: torch.Tensor) -> bool:
     """Whether the kernel can take ``x`` (``[..., 2F]``, CUDA, contiguous, half or float)."""
     return (
-        _kernel_device(x)
+        triton_runs_on(x)
         and x.is_contiguous()
         and x.shape[-1] % 2 == 0
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and _have_triton()
     )
 
 
@@ -149,7 +128,7 @@ class FusedSwiGLUMLP(MLP):
     def _fused(self, x: torch.Tensor, per_token_scale: Any) -> bool:
         config = self.config
         return (
-            _enabled
+            _SWITCH.enabled
             and per_token_scale is None
             and config.gated_linear_unit
             and config.activation_func is F.silu
@@ -157,8 +136,7 @@ class FusedSwiGLUMLP(MLP):
             and not getattr(config, "use_te_activation_func", False)
             and getattr(config, "activation_func_clamp_value", None) is None
             and not getattr(config, "glu_linear_offset", 0.0)
-            and _kernel_device(x)
-            and _have_triton()
+            and triton_runs_on(x)
         )
 
     def forward(  # type: ignore[override]
