@@ -11,7 +11,9 @@ Public API:
 * Weights: :func:`load_hf_weights`, :func:`export_hf_weights`, :func:`save_hf_weights` (TP/PP aware).
 * Offload: :func:`offload_megatron_model` / :func:`onload_megatron_model` and the optimizer pair.
 * Optimizer: :func:`use_fused_torch_adam` (torch's fused Adam kernel where megatron-core fell back to torch's
-  Adam; :func:`compat.make_megatron_optimizer` applies it); :func:`with_wgrad_fusion` /
+  Adam; :func:`compat.make_megatron_optimizer` applies it); :func:`use_sync_free_multi_tensor_fallbacks`
+  (megatron-core's gradient norm and clipping without a host sync per parameter tensor where it fell back to its
+  pure-torch multi-tensor functions; applied there too); :func:`with_wgrad_fusion` /
   :func:`enable_wgrad_accumulation_fusion` (weight gradients accumulated into ``main_grad`` inside the GEMM
   without apex).
 * No Transformer Engine needed: :class:`SDPACoreAttention`, portable RoPE, local layer spec.
@@ -54,6 +56,9 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.module import unwrap_model as unwrap_model
     from verl_mcore_utils.mtp import build_mtp_block as build_mtp_block
     from verl_mcore_utils.mtp import mtp_layer_forward as mtp_layer_forward
+    from verl_mcore_utils.multi_tensor import (
+        use_sync_free_multi_tensor_fallbacks as use_sync_free_multi_tensor_fallbacks,
+    )
     from verl_mcore_utils.offload import OffloadStateError as OffloadStateError
     from verl_mcore_utils.offload import OffloadStats as OffloadStats
     from verl_mcore_utils.offload import offload_megatron_model as offload_megatron_model
@@ -98,6 +103,7 @@ _LAZY: dict[str, str] = {
     "export_hf_weights": "verl_mcore_utils.weights",
     "with_wgrad_fusion": "verl_mcore_utils.wgrad_fusion",
     "use_fused_torch_adam": "verl_mcore_utils.fused_adam",
+    "use_sync_free_multi_tensor_fallbacks": "verl_mcore_utils.multi_tensor",
     "get_model_config": "verl_mcore_utils.module",
     "hf_to_transformer_config": "verl_mcore_utils.transformer_config",
     "init_parallel": "verl_mcore_utils.parallel",

@@ -171,12 +171,19 @@ def make_megatron_optimizer(
 
     ``fused_adam``: where megatron-core fell back to torch's Adam (no Transformer Engine, no Apex) over CUDA
     tensors, use torch's fused kernel (:func:`verl_mcore_utils.fused_adam.use_fused_torch_adam`).
+
+    Where megatron-core fell back to its pure-torch multi-tensor l2 norm / scale (no Transformer Engine, no Apex),
+    sync-free replacements are installed first
+    (:func:`verl_mcore_utils.multi_tensor.use_sync_free_multi_tensor_fallbacks`).
     """
     import inspect
 
     import_megatron_core()
     from megatron.core.optimizer import get_megatron_optimizer
 
+    from verl_mcore_utils.multi_tensor import use_sync_free_multi_tensor_fallbacks
+
+    use_sync_free_multi_tensor_fallbacks()  # gradient norm and clipping without a host sync per parameter tensor
     kwargs: dict[str, Any] = {}
     if "use_gloo_process_groups" in inspect.signature(get_megatron_optimizer).parameters:
         kwargs["use_gloo_process_groups"] = use_gloo_process_groups
