@@ -290,7 +290,14 @@ def main() -> None:
     parser.add_argument(
         "--parts", nargs="+", choices=("sft", "ppo", "log_prob"), default=["sft", "ppo", "log_prob"]
     )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help="replace the shape's vocabulary size (memory vs vocabulary)"
+    )
     args = parser.parse_args()
+    if args.vocab is not None:
+        shape = list(SHAPES[args.shape])
+        shape[5] = args.vocab
+        SHAPES[args.shape] = tuple(shape)
 
     from verl_mcore_utils.parallel import init_parallel
 
@@ -320,6 +327,7 @@ def run_all(args: argparse.Namespace) -> None:
         },
         "config": {
             "shape": args.shape,
+            "vocab": SHAPES[args.shape][5],
             "seq": args.seq,
             "lengths": args.lengths,
             "micro_batch": f"one packed row of {args.max_token_len or args.seq} tokens (dynamic bsz)",

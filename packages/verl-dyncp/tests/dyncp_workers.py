@@ -143,12 +143,26 @@ def _planner_checks(rank: int, world: int) -> dict[str, Any]:
     groups = CPGroups()
     out: dict[str, Any] = {}
     cases = {
-        "dynamic_k1": dict(seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=32),
-        "dynamic_k2": dict(seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=16),
-        "dynamic_tp2": dict(seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=16, tp_size=2),
-        "few_seqs": dict(seq_lens=[6], max_seqlen_per_dp_cp_rank=8),
-        "equal_lens": dict(seq_lens=[8, 8, 8, 8, 8], max_seqlen_per_dp_cp_rank=4),
-        "mixed": dict(seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=16, mixed=True),
+        "dynamic_k1": dict(
+            seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=32, larger_cp_min_gain=None
+        ),
+        "dynamic_k2": dict(
+            seq_lens=[30, 5, 12, 7, 1, 16, 9, 3], max_seqlen_per_dp_cp_rank=16, larger_cp_min_gain=None
+        ),
+        "dynamic_tp2": dict(
+            seq_lens=[30, 5, 12, 7, 1, 16, 9, 3],
+            max_seqlen_per_dp_cp_rank=16,
+            tp_size=2,
+            larger_cp_min_gain=None,
+        ),
+        "few_seqs": dict(seq_lens=[6], max_seqlen_per_dp_cp_rank=8, larger_cp_min_gain=None),
+        "equal_lens": dict(seq_lens=[8, 8, 8, 8, 8], max_seqlen_per_dp_cp_rank=4, larger_cp_min_gain=None),
+        "mixed": dict(
+            seq_lens=[30, 5, 12, 7, 1, 16, 9, 3],
+            max_seqlen_per_dp_cp_rank=16,
+            mixed=True,
+            larger_cp_min_gain=None,
+        ),
         "static": dict(seq_lens=[17, 4, 1, 9, 2], static_cp_size=world),
     }
     for name, case in cases.items():
@@ -194,6 +208,13 @@ def _planner_checks(rank: int, world: int) -> dict[str, Any]:
             "merge_grad_rel": float((grad2 - ref_grad).norm() / ref_grad.norm()),
             "dummy_grad_zero": bool(torch.count_nonzero(w.grad) == 0) if mb.is_dummy else None,
         }
+    # the size-by-need rule is pinned above (larger_cp_min_gain=None) so each case covers its k; the default
+    # doubles k while that balances better: one 6-token sequence takes the whole pool instead of idling it
+    lens = [6]
+    mb = dynamic_cp_split_batch(
+        packed_tokens(lens, 1), seq_lens=lens, groups=groups, max_seqlen_per_dp_cp_rank=8
+    )
+    out["few_seqs_balanced_k"] = mb.block.size
     # bf16 and int64 outputs survive the merge bit-exactly
     lens = [9, 2, 5]
     mb = dynamic_cp_split_batch(

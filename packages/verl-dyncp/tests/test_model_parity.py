@@ -29,20 +29,40 @@ SINGLE = (32,)  # one sequence, exactly at a power-of-two boundary
 CASES_2: list[tuple[str, tuple[int, ...], dict[str, Any]]] = [
     ("static_cp2", MIXED, {"static_cp_size": 2}),
     ("static_cp2_single", SINGLE, {"static_cp_size": 2}),
-    ("dynamic_k1_2ranks", MIXED, {"max_seqlen_per_dp_cp_rank": 40}),  # k=1: two groups of one rank
-    ("dynamic_single_idle_2ranks", SINGLE, {"max_seqlen_per_dp_cp_rank": 32}),  # k=1, one idle rank
+    (
+        "dynamic_k1_2ranks",
+        MIXED,
+        {"max_seqlen_per_dp_cp_rank": 40, "larger_cp_min_gain": None},
+    ),  # k=1: two groups of one rank
+    (
+        "dynamic_single_idle_2ranks",
+        SINGLE,
+        {"max_seqlen_per_dp_cp_rank": 32, "larger_cp_min_gain": None},
+    ),  # k=1, one idle rank
 ]
 CASES_4: list[tuple[str, tuple[int, ...], dict[str, Any]]] = [
     ("static_cp4", MIXED, {"static_cp_size": 4}),
     ("static_cp4_single", SINGLE, {"static_cp_size": 4}),
-    ("dynamic_k1", MIXED, {"max_seqlen_per_dp_cp_rank": 40}),  # 4 groups of 1
-    ("dynamic_k2", MIXED, {"max_seqlen_per_dp_cp_rank": 20}),  # 2 groups of 2
-    ("dynamic_k4", MIXED, {"max_seqlen_per_dp_cp_rank": 10}),  # 1 group of 4
-    ("dynamic_single_k1_3idle", SINGLE, {"max_seqlen_per_dp_cp_rank": 32}),  # 3 idle groups of 1
-    ("dynamic_single_k2_1idle", SINGLE, {"max_seqlen_per_dp_cp_rank": 16}),  # 1 idle group of 2
+    ("dynamic_k1", MIXED, {"max_seqlen_per_dp_cp_rank": 40, "larger_cp_min_gain": None}),  # 4 groups of 1
+    ("dynamic_k2", MIXED, {"max_seqlen_per_dp_cp_rank": 20, "larger_cp_min_gain": None}),  # 2 groups of 2
+    ("dynamic_k4", MIXED, {"max_seqlen_per_dp_cp_rank": 10, "larger_cp_min_gain": None}),  # 1 group of 4
+    (
+        "dynamic_single_k1_3idle",
+        SINGLE,
+        {"max_seqlen_per_dp_cp_rank": 32, "larger_cp_min_gain": None},
+    ),  # 3 idle groups of 1
+    (
+        "dynamic_single_k2_1idle",
+        SINGLE,
+        {"max_seqlen_per_dp_cp_rank": 16, "larger_cp_min_gain": None},
+    ),  # 1 idle group of 2
     # 37 needs 2 ranks, the rest 1: the size-2 block alone carries the busiest ranks, so splitting the other one
     # into two size-1 blocks costs nothing (sizes 2, 1, 1)
-    ("dynamic_mixed_plan", MIXED, {"max_seqlen_per_dp_cp_rank": 30, "mixed": True}),
+    (
+        "dynamic_mixed_plan",
+        MIXED,
+        {"max_seqlen_per_dp_cp_rank": 30, "mixed": True, "larger_cp_min_gain": None},
+    ),
 ]
 
 # expected plan shape per case: (CP sizes, number of dummy ranks)

@@ -57,7 +57,15 @@ def test_balance_and_no_duplication(seed: int, workload: WorkloadModel) -> None:
     rng = random.Random(seed)
     lens = [min(int(rng.lognormvariate(6.0, 1.0)), 4096) + 1 for _ in range(rng.randint(9, 60))]
     plan = plan_dynamic_cp(lens, dp_cp_size=16, max_seqlen_per_dp_cp_rank=1024, workload=workload)
-    assert plan.cp_size == dynamic_cp_size(max(lens), max_seqlen_per_dp_cp_rank=1024, dp_cp_size=16)
+    need = dynamic_cp_size(max(lens), max_seqlen_per_dp_cp_rank=1024, dp_cp_size=16)
+    smallest = plan_dynamic_cp(
+        lens, dp_cp_size=16, max_seqlen_per_dp_cp_rank=1024, workload=workload, larger_cp_min_gain=None
+    )
+    assert smallest.cp_size == need
+    # a larger group only where it lowers the busiest rank's load by >= 10%
+    assert plan.cp_size >= need
+    if plan.cp_size > need:
+        assert max(plan.loads) / plan.cp_size <= 0.9 * max(smallest.loads) / need
     assert sorted(i for a in plan.assignments for i in a) == list(range(len(lens)))
     costs = [workload.cost(n) for n in lens]
     share = sum(costs) / plan.num_groups
@@ -70,7 +78,7 @@ def test_balance_and_no_duplication(seed: int, workload: WorkloadModel) -> None:
 
 
 def test_fewer_sequences_than_groups_and_static() -> None:
-    plan = plan_dynamic_cp([5, 2], dp_cp_size=8, max_seqlen_per_dp_cp_rank=4)
+    plan = plan_dynamic_cp([5, 2], dp_cp_size=8, max_seqlen_per_dp_cp_rank=4, larger_cp_min_gain=None)
     assert plan.cp_size == 2 and plan.assignments == ((0,), (1,), (), ())
     assert plan.idle_groups == (2, 3)
     static = plan_dynamic_cp([5, 2, 7], dp_cp_size=8, static_cp_size=4)
@@ -145,20 +153,24 @@ def test_normalize_token_loss_without_process_group() -> None:
 def test_mixed_plan_sizes_blocks_by_need() -> None:
     # needs: 4000 -> 4, 1500 -> 2, the rest 1 (max 1024 per rank), 8 ranks
     lens = [4000, 1500, 300, 200, 100, 900, 50]
-    plan = plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024)
+    plan = plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None)
     assert [(b.offset, b.size) for b in plan.blocks][:2] == [(0, 4), (4, 2)]
     assert plan.blocks[0].sequences == (0,) and plan.blocks[1].sequences == (1,)
     assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
     assert all(b.offset % b.size == 0 for b in plan.blocks)
     assert sum(b.size for b in plan.blocks) == 8
-    assert plan == plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024)
+    assert plan == plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None)
     # no room for a separate size-1 block: the short ones share the size-2 block
-    tight = plan_mixed_cp([3000, 1500, 10], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024)
+    tight = plan_mixed_cp(
+        [3000, 1500, 10], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None
+    )
     assert [(b.offset, b.size, b.sequences) for b in tight.blocks] == [(0, 4, (0, 1, 2))]
     # one size only: identical to the one-k plan's grouping
-    same = plan_mixed_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8)
+    same = plan_mixed_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8, larger_cp_min_gain=None)
     assert [b.sequences for b in same.blocks] == list(
-        plan_dynamic_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8).assignments
+        plan_dynamic_cp(
+            [5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8, larger_cp_min_gain=None
+        ).assignments
     )
     with pytest.raises(ValueError, match="not aligned to its size 2"):
         CPBlock(offset=1, size=2, sequences=(), load=0)
@@ -215,3 +227,124 @@ def test_mixed_plan_never_loads_a_rank_more_than_the_one_k_plan() -> None:
             )
         smaller += len({b.size for b in mixed.blocks}) > 1
     assert smaller > 0  # some batches do get several CP sizes
+
+
+def test_refinement_fixes_the_lpt_counter_example() -> None:
+    """Costs 3, 3, 2, 2, 2 on two ranks: LPT gives 7 / 5 (3+2+2 | 3+2); one swap gives the optimum 6 / 6."""
+    linear = WorkloadModel(quadratic=0, linear=1)
+    lens = [3, 3, 2, 2, 2]
+    kw = {"dp_cp_size": 2, "max_seqlen_per_dp_cp_rank": 8, "workload": linear, "larger_cp_min_gain": None}
+    lpt = plan_dynamic_cp(lens, refine=False, **kw)
+    assert sorted(lpt.loads) == [5, 7]
+    plan = plan_dynamic_cp(lens, **kw)
+    assert plan.loads == (6, 6)
+    assert sorted(plan.assignments) == [(0, 1), (2, 3, 4)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_refinement_never_worse_than_lpt_and_keeps_the_invariants(seed: int) -> None:
+    """Random long-tail micro-batches, one-k and mixed plans: the refined busiest rank is never above LPT's,
+    the LPT bound still holds, no sequence is lost or duplicated, no block is emptied, every sequence sits
+    on a block at least as large as it needs, and the plan is deterministic."""
+    rng = random.Random(seed)
+    workload = WorkloadModel.for_transformer(hidden_size=1536)
+    n = rng.choice([2, 4, 8, 16])
+    lens = [min(int(rng.lognormvariate(7.6, 1.2)) + 1, 4096 * n) for _ in range(rng.randint(n, 4 * n))]
+    kw = {"dp_cp_size": n, "max_seqlen_per_dp_cp_rank": 4096, "workload": workload}
+    costs = [workload.cost(x) for x in lens]
+    for plan_fn in (plan_dynamic_cp, plan_mixed_cp):
+        lpt, refined = plan_fn(lens, refine=False, **kw), plan_fn(lens, **kw)
+
+        def peak(plan) -> float:
+            return max(b.load / b.size for b in plan.blocks)
+
+        assert peak(refined) <= peak(lpt)
+        assert sorted(i for b in refined.blocks for i in b.sequences) == list(range(len(lens)))
+        for b in refined.blocks:
+            assert b.load == sum(costs[i] for i in b.sequences)
+            assert all(
+                b.size >= dynamic_cp_size(lens[i], max_seqlen_per_dp_cp_rank=4096, dp_cp_size=n)
+                for i in b.sequences
+            )
+        if plan_fn is plan_dynamic_cp:
+            assert max(refined.loads) <= sum(costs) / refined.num_groups + max(costs)
+            if len(lens) >= refined.num_groups:
+                assert not refined.idle_groups
+        assert plan_fn(lens, **kw) == refined
+
+
+def test_refinement_lowers_the_busiest_rank_on_long_tails() -> None:
+    """Over many random micro-batches the search finds a lower busiest rank than LPT in some of them."""
+    rng = random.Random(7)
+    workload = WorkloadModel.for_transformer(hidden_size=1536)
+    better = 0
+    for _ in range(100):
+        lens = [min(int(rng.lognormvariate(7.6, 1.2)) + 1, 8192) for _ in range(rng.randint(6, 30))]
+        lpt = plan_dynamic_cp(
+            lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=workload, refine=False
+        )
+        refined = plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=workload)
+        assert max(refined.loads) <= max(lpt.loads)
+        better += max(refined.loads) < max(lpt.loads)
+    assert better >= 10, better
+
+
+def test_workload_model_for_transformer_counts_the_model_shape() -> None:
+    # hidden size only: f = 4h, no GQA, no LM head -> 24 h^2 dense per token vs 2 h L attention: 12 h
+    assert WorkloadModel.for_transformer(hidden_size=1536) == WorkloadModel(quadratic=1, linear=12 * 1536)
+    # Qwen2.5-1.5B: h 1536, 12 heads x 128, 2 KV groups, gated MLP 8960, 28 layers, vocab 151936
+    h, a, kv, f = 1536, 12 * 128, 2 * 128, 8960
+    dense = 2 * h * (a + 2 * kv) + 2 * a * h + 2 * h * f * 2 + 2 * f * h
+    shape = {"ffn_hidden_size": f, "gated_linear_unit": True, "num_attention_heads": 12}
+    shape |= {"num_query_groups": 2, "kv_channels": 128}
+    assert WorkloadModel.for_transformer(hidden_size=h, **shape).linear == round(dense / (2 * a))
+    with_head = WorkloadModel.for_transformer(hidden_size=h, num_layers=28, vocab_size=151936, **shape)
+    assert with_head.linear == round((dense + 2 * h * 151936 / 28) / (2 * a))
+    slower = WorkloadModel.for_transformer(hidden_size=h, attention_cost_factor=2.0, **shape)
+    assert slower.linear == round(dense / (4 * a))
+    with pytest.raises(ValueError, match="attention_cost_factor must be > 0"):
+        WorkloadModel.for_transformer(hidden_size=h, attention_cost_factor=0.0)
+
+
+def test_a_larger_cp_group_when_one_sequence_outweighs_a_rank_share() -> None:
+    """The smallest group that holds the longest sequence is kept unless doubling lowers the busiest rank's
+    modelled load by >= 10%: one long sequence among short ones is split further; many similar ones are not."""
+    # 5 and 2 tokens on 8 ranks (need 2): groups of 2 leave the 5-token rank at 25/2 while others idle;
+    # each doubling halves the busiest rank's load, up to one group of 8 (no idle ranks)
+    assert plan_dynamic_cp([5, 2], dp_cp_size=8, max_seqlen_per_dp_cp_rank=4).cp_size == 8
+    # Qwen2.5-1.5B's workload, 5 sequences on 4 ranks (need 1): 5227 tokens cost 1.6x a rank's share at CP 1;
+    # CP 2 balances within 3% of the mean, CP 4 would gain only 2% more: CP 2 (the simulator's optimum)
+    shape = WorkloadModel.for_transformer(
+        hidden_size=1536, ffn_hidden_size=8960, gated_linear_unit=True, num_attention_heads=12,
+        num_query_groups=2, kv_channels=128, num_layers=28, vocab_size=151936,
+    )  # fmt: skip
+    lens = [510, 2899, 5227, 3933, 646]
+    plan = plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=shape)
+    assert plan.cp_size == 2
+    # many sequences of similar cost balance at CP 1
+    many = [3000 + 37 * i for i in range(16)]
+    assert plan_dynamic_cp(many, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=shape).cp_size == 1
+    # the gain threshold: 0 takes any improvement, None the smallest size, outside [0, 1) is an error
+    assert plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=shape,
+                           larger_cp_min_gain=None).cp_size == 1  # fmt: skip
+    assert plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, workload=shape,
+                           larger_cp_min_gain=0.0).cp_size == 4  # fmt: skip
+    with pytest.raises(ValueError, match=r"larger_cp_min_gain must be in \[0, 1\) or None, got 1.5"):
+        plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, larger_cp_min_gain=1.5)
+    # the mixed plan starts from the same size
+    assert max(b.size for b in plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192,
+                                             workload=shape).blocks) == 2  # fmt: skip
+
+
+def test_workload_model_from_a_megatron_transformer_config() -> None:
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
+        kv_channels=128, gated_linear_unit=True, use_cpu_initialization=True,
+    )  # fmt: skip
+    shape = {"ffn_hidden_size": 8960, "gated_linear_unit": True, "num_attention_heads": 12}
+    shape |= {"num_query_groups": 2, "kv_channels": 128, "num_layers": 28}
+    assert WorkloadModel.from_transformer_config(config, vocab_size=151936) == WorkloadModel.for_transformer(
+        hidden_size=1536, vocab_size=151936, **shape
+    )

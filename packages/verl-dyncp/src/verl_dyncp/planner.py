@@ -1,14 +1,18 @@
 """Dynamic (and static) context-parallel planning for one packed micro-batch.
 
-Per micro-batch the local CP size is ``k = smallest power of two >= ceil(longest / max_seqlen_per_dp_cp_rank)``
-(1, 2, 3, 4, 5 -> 1, 2, 4, 4, 8 when ``max_seqlen_per_dp_cp_rank`` is 1 token): the smallest group that can
-hold the longest sequence. The ``n`` DP x CP ranks form ``n / k`` aligned groups (:class:`CPGroups`)
+Per micro-batch the local CP size starts at ``k = smallest power of two >= ceil(longest /
+max_seqlen_per_dp_cp_rank)`` (1, 2, 3, 4, 5 -> 1, 2, 4, 4, 8 when ``max_seqlen_per_dp_cp_rank`` is 1 token):
+the smallest group that can hold the longest sequence; it doubles while that lowers the busiest rank's
+modelled load by at least ``larger_cp_min_gain`` (10% by default; None keeps the smallest), which happens
+when one sequence costs more than a rank's fair share. The ``n`` DP x CP ranks form ``n / k`` aligned groups (:class:`CPGroups`)
 and the sequences are spread over them by greedy longest-processing-time (LPT) scheduling on the
 attention workload ``quadratic * L**2 + linear * L`` (:class:`WorkloadModel`): sequences sorted by
 cost, longest first (ties: lower index first), each placed on the group with the least load so far
 (ties: lower group index). LPT guarantees every group's load is at most the average load plus the
 largest single cost, every sequence runs on exactly one group (no duplicated work), and with at least
-as many sequences as groups no group is left empty.
+as many sequences as groups no group is left empty. A local search then moves or swaps sequences out of
+the busiest group while that lowers it (``refine``, on by default): with a few dozen sequences per
+micro-batch LPT alone can leave the busiest rank most of one long sequence above the mean.
 
 Static CP is the same machinery with ``static_cp_size`` fixed. :func:`plan_mixed_cp` (``mixed=True`` in
 :func:`dynamic_cp_split_batch`) goes further: several CP sizes in one micro-batch, each sequence on a block
@@ -37,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,9 +89,61 @@ class WorkloadModel:
             raise ValueError("WorkloadModel needs a non-zero quadratic or linear coefficient")
 
     @classmethod
-    def for_transformer(cls, *, hidden_size: int) -> WorkloadModel:
-        """Attention ~ 2 L^2 h FLOPs per layer (causal), dense layers ~ 24 L h^2: ratio 12 h."""
-        return cls(quadratic=1, linear=12 * hidden_size)
+    def for_transformer(
+        cls,
+        *,
+        hidden_size: int,
+        ffn_hidden_size: int | None = None,
+        gated_linear_unit: bool = False,
+        num_attention_heads: int | None = None,
+        num_query_groups: int | None = None,
+        kv_channels: int | None = None,
+        num_layers: int | None = None,
+        vocab_size: int | None = None,
+        attention_cost_factor: float = 1.0,
+    ) -> WorkloadModel:
+        """The FLOP ratio of one layer's dense work per token to its causal attention per token per token.
+
+        Forward FLOPs per token of one layer: QKV ``2 h (a + 2 g d)``, output projection ``2 a h``, MLP
+        ``2 h f (2 if gated else 1) + 2 f h`` (``a = heads x d``, ``g`` query groups, ``d`` = kv_channels,
+        ``f`` = ffn_hidden_size), plus the LM head ``2 h V`` spread over ``num_layers`` when both are given;
+        causal attention over a sequence of ``L`` tokens: ``2 L a`` per token (scores and values over ``L/2``
+        keys on average). So ``cost(L) ~ quadratic * L^2 + linear * L`` with ``linear / quadratic = dense /
+        (2 a x attention_cost_factor)``; ``attention_cost_factor`` is how much slower a FLOP of the attention
+        kernel runs than a FLOP of the matmuls (measured by ``benchmarks/dyncp_plan_sim_gpu.py``). With only
+        ``hidden_size`` (``f = 4 h``, no GQA, no head) the ratio is ``12 h``, the classic estimate.
+        """
+        h = _check_pos_int("hidden_size", hidden_size)
+        heads = num_attention_heads
+        d = kv_channels if kv_channels is not None else (h // heads if heads else None)
+        a = heads * d if heads and d else h
+        groups = num_query_groups if num_query_groups is not None else (heads or 1)
+        kv = groups * d if d else h
+        f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
+        if not attention_cost_factor > 0:
+            raise ValueError(f"attention_cost_factor must be > 0, got {attention_cost_factor!r}")
+        dense = 2 * h * (a + 2 * kv) + 2 * a * h + 2 * h * f * (2 if gated_linear_unit else 1) + 2 * f * h
+        if num_layers and vocab_size:
+            dense += 2 * h * vocab_size / num_layers
+        return cls(quadratic=1, linear=max(1, round(dense / (2 * a * attention_cost_factor))))
+
+    @classmethod
+    def from_transformer_config(
+        cls, config: Any, *, vocab_size: int | None = None, attention_cost_factor: float = 1.0
+    ) -> WorkloadModel:
+        """:meth:`for_transformer` with the shape of a megatron-core ``TransformerConfig`` (hidden and FFN
+        sizes, gated MLP, heads, query groups, kv_channels, layers) and the LM head's ``vocab_size``."""
+        return cls.for_transformer(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size,
+            gated_linear_unit=bool(config.gated_linear_unit),
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups,
+            kv_channels=config.kv_channels,
+            num_layers=config.num_layers,
+            vocab_size=vocab_size,
+            attention_cost_factor=attention_cost_factor,
+        )
 
     def cost(self, length: int) -> int:
         return self.quadratic * length * length + self.linear * length
@@ -235,13 +292,13 @@ class MixedCPPlan:
 
 
 def _assign_to_blocks(
-    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int]
+    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int], *, refine: bool = True
 ) -> tuple[list[list[int]], list[int]] | None:
-    """LPT over blocks of ``sizes``: each sequence (largest cost first) onto the block, among those at
-    least as large as it needs, whose per-rank load ``(load + cost) / size`` is then smallest (ties: fewer
-    sequences, so zero-cost ties still spread; then lower block index). None when a sequence fits no
-    block. Sizes are powers of two, so ``(load + cost) * (largest / size)`` compares per-rank loads
-    exactly in integers."""
+    """LPT over blocks of ``sizes``, then (``refine``) local search: each sequence (largest cost first) onto
+    the block, among those at least as large as it needs, whose per-rank load ``(load + cost) / size`` is
+    then smallest (ties: fewer sequences, so zero-cost ties still spread; then lower block index); then
+    :func:`_refine`. None when a sequence fits no block. Sizes are powers of two, so ``(load + cost) *
+    (largest / size)`` compares per-rank loads exactly in integers."""
     loads = [0] * len(sizes)
     members: list[list[int]] = [[] for _ in sizes]
     scale = [max(sizes) // k for k in sizes]
@@ -252,7 +309,117 @@ def _assign_to_blocks(
         j = min(fits, key=lambda j: ((loads[j] + costs[i]) * scale[j], len(members[j]), j))
         members[j].append(i)
         loads[j] += costs[i]
+    if refine:
+        _refine(sizes, need, costs, members, loads, scale)
     return members, loads
+
+
+def _refine(
+    sizes: Sequence[int],
+    need: Sequence[int],
+    costs: Sequence[int],
+    members: list[list[int]],
+    loads: list[int],
+    scale: Sequence[int],
+) -> None:
+    """Lower the busiest block's per-rank load by moving one of its sequences to another block or swapping
+    it for a cheaper one there, best improvement first, until no move or swap helps (in place).
+
+    Why: LPT places each sequence once and never revisits it; with few sequences per rank (a long tail in
+    a micro-batch of a few dozen sequences) its busiest rank can sit a large fraction of one sequence's
+    cost above the mean, and that rank sets the micro-batch's time. A move or swap is taken only if both
+    blocks end strictly below the current peak, so the sorted vector of per-rank loads decreases
+    lexicographically and the search ends; the LPT bound (peak <= mean + largest cost) still holds. A
+    block is never emptied (with at least as many sequences as blocks, none runs dummy work) and every
+    sequence stays on a block at least as large as it needs. Swap partners are found by bisection on
+    each block's sorted costs, so a step costs O(members x blocks x log members): cheap next to the
+    micro-batch it plans. Deterministic (integer arithmetic, fixed tie-breaking).
+    """
+    from bisect import bisect_left
+
+    nblocks = len(sizes)
+    if nblocks < 2:
+        return
+    for _ in range(4 * len(costs) + 4):  # bound; every step strictly lowers the sorted load vector
+        per_rank = [loads[j] * scale[j] for j in range(nblocks)]
+        p = max(range(nblocks), key=lambda j: (per_rank[j], -j))
+        peak = per_rank[p]
+        ordered = [sorted((costs[i], i) for i in members[j]) for j in range(nblocks)]
+        best: tuple | None = None
+        for i in members[p]:
+            if len(members[p]) == 1:
+                break  # moving or swapping the only sequence just moves the peak (or empties the block)
+            for j in range(nblocks):
+                if j == p or sizes[j] < need[i]:
+                    continue
+                # ideal transfer d* = (peak - per_rank[j]) / (scale[p] + scale[j]) of cost from p to j
+                target = costs[i] - (peak - per_rank[j]) // (scale[p] + scale[j])
+                candidates: list[tuple[int, int | None]] = [(0, None)]  # (partner cost, partner) None: move
+                at = bisect_left(ordered[j], (target, -1))
+                for k in (at - 1, at):
+                    if 0 <= k < len(ordered[j]):
+                        candidates.append(ordered[j][k])
+                for c2, i2 in candidates:
+                    if i2 is not None and sizes[p] < need[i2]:
+                        continue
+                    d = costs[i] - c2
+                    if d <= 0:
+                        continue
+                    a, b = (loads[p] - d) * scale[p], (loads[j] + d) * scale[j]
+                    if max(a, b) >= peak:
+                        continue
+                    key = (max(a, b), i, j, -1 if i2 is None else i2)
+                    if best is None or key < best[0]:
+                        best = (key, i, j, i2, d)
+        if best is None:
+            return
+        _, i, j, i2, d = best
+        members[p].remove(i)
+        members[j].append(i)
+        if i2 is not None:
+            members[j].remove(i2)
+            members[p].append(i2)
+        loads[p] -= d
+        loads[j] += d
+
+
+# A larger CP group must lower the busiest rank's modelled load by at least this fraction: what the
+# workload model does not price (K/V all-gather, the varlen kernel under CP instead of CP 1's dense
+# cuDNN calls, more padding) costs a few percent per doubling on one NVLink node
+# (benchmarks/dyncp_plan_sim_gpu.py, docs/benchmarks.md).
+DEFAULT_LARGER_CP_MIN_GAIN = 0.1
+
+
+def _balanced_cp_size(
+    costs: Sequence[int], *, smallest: int, dp_cp_size: int, min_gain: float | None, refine: bool
+) -> int:
+    """The CP size for a micro-batch: ``smallest`` (the longest sequence's need), doubled while the busiest
+    rank's modelled load ``max(group load) / k`` drops by at least ``min_gain`` of the current choice's.
+
+    Why: the smallest size that holds the longest sequence is not always the fastest. When one sequence
+    costs more than a rank's fair share (few sequences, or one long one among short ones), groups of that
+    size cannot balance: the rank holding it runs while the others wait. A group twice as large splits it
+    (zigzag, evenly). Comparing exact fractions of integer loads keeps every rank's choice identical.
+    """
+    if min_gain is None:
+        return smallest
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"larger_cp_min_gain must be in [0, 1) or None, got {min_gain!r}")
+    keep = 1 - Fraction(str(min_gain))
+    largest = _largest_pow2_divisor(dp_cp_size)
+    best_k = smallest
+    best = None
+    k = smallest
+    while k <= largest:
+        assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(costs), costs, refine=refine)
+        assert assigned is not None
+        peak = Fraction(max(assigned[1]), k)
+        if best is None:
+            best = peak
+        elif peak <= best * keep:
+            best_k, best = k, peak
+        k *= 2
+    return best_k
 
 
 def plan_dynamic_cp(
@@ -262,8 +429,16 @@ def plan_dynamic_cp(
     max_seqlen_per_dp_cp_rank: int | None = None,
     static_cp_size: int | None = None,
     workload: WorkloadModel | None = None,
+    refine: bool = True,
+    larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
 ) -> DynamicCPPlan:
-    """The plan for one micro-batch: dynamic ``k`` from ``max_seqlen_per_dp_cp_rank``, or ``static_cp_size``."""
+    """The plan for one micro-batch: dynamic ``k``, or ``static_cp_size``.
+
+    Dynamic ``k`` starts at the smallest group that holds the longest sequence (:func:`dynamic_cp_size`)
+    and doubles while that lowers the busiest rank's modelled load by at least ``larger_cp_min_gain``
+    (a fraction; None keeps the smallest ``k``), see :func:`_balanced_cp_size`. ``refine=False`` keeps
+    plain LPT (no move / swap search). Both switches exist for comparison (``benchmarks/dyncp_plan_sim_gpu.py``).
+    """
     lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
     if not lens:
         raise ValueError(
@@ -296,8 +471,12 @@ def plan_dynamic_cp(
         )
     model = workload or WorkloadModel()
     costs = [model.cost(n) for n in lens]
-    # every group has size k >= every sequence's need: plain LPT over equal groups
-    assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(lens), costs)
+    if static_cp_size is None:
+        k = _balanced_cp_size(
+            costs, smallest=k, dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, refine=refine
+        )
+    # every group has size k >= every sequence's need: LPT (+ local search) over equal groups
+    assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(lens), costs, refine=refine)
     assert assigned is not None
     members, loads = assigned
     return DynamicCPPlan(
@@ -315,11 +494,13 @@ def plan_mixed_cp(
     dp_cp_size: int,
     max_seqlen_per_dp_cp_rank: int,
     workload: WorkloadModel | None = None,
+    refine: bool = True,
+    larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
 ) -> MixedCPPlan:
     """Several CP sizes in one micro-batch: long sequences on large blocks, short ones on small blocks.
 
     Every sequence needs ``k_i = dynamic_cp_size(L_i)`` ranks. The search starts from the one-k layout
-    (``dp_cp_size / K`` blocks of ``K = max k_i``, the plain dynamic plan) and splits one block into two
+    (``dp_cp_size / K`` blocks of the size :func:`plan_dynamic_cp` picks, ``K >= max k_i``) and splits one block into two
     halves at a time, taking the split whose LPT assignment (:func:`_assign_to_blocks`: each sequence
     onto a block at least as large as it needs) has the smallest peak per-rank load ``load / size``, as
     long as that peak is not above the current one. So the plan's modelled busiest rank is never worse
@@ -344,9 +525,11 @@ def plan_mixed_cp(
     def peak(sizes: Sequence[int], loads: Sequence[int]) -> Fraction:
         return max(Fraction(load, k) for load, k in zip(loads, sizes, strict=True))
 
-    largest = max(need)
+    largest = _balanced_cp_size(
+        costs, smallest=max(need), dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, refine=refine
+    )
     sizes = [largest] * (dp_cp_size // largest)
-    assigned = _assign_to_blocks(sizes, need, costs)
+    assigned = _assign_to_blocks(sizes, need, costs, refine=refine)
     assert assigned is not None  # every sequence fits a block of the largest need
     best = peak(sizes, assigned[1])
     while True:
@@ -357,7 +540,7 @@ def plan_mixed_cp(
             trial = list(sizes)
             trial.remove(k)
             trial = sorted([*trial, k // 2, k // 2], reverse=True)
-            result = _assign_to_blocks(trial, need, costs)
+            result = _assign_to_blocks(trial, need, costs, refine=refine)
             if result is not None:
                 trials.append((peak(trial, result[1]), -k, trial, result))
         if not trials:
@@ -433,6 +616,7 @@ def dynamic_cp_split_batch(
     label_mask: torch.Tensor | None = None,
     workload: WorkloadModel | None = None,
     mixed: bool = False,
+    larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
 ) -> DynamicCPMicroBatch:
     """Plan the packed micro-batch and return this rank's local THD inputs.
 
@@ -451,6 +635,7 @@ def dynamic_cp_split_batch(
             dp_cp_size=groups.world_size,
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             workload=workload,
+            larger_cp_min_gain=larger_cp_min_gain,
         )
     else:
         plan = plan_dynamic_cp(
@@ -459,6 +644,7 @@ def dynamic_cp_split_batch(
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             static_cp_size=static_cp_size,
             workload=workload,
+            larger_cp_min_gain=larger_cp_min_gain,
         )
     if input_ids.dim() == 0 or input_ids.shape[0] != sum(plan.seq_lens):
         raise ValueError(

@@ -239,7 +239,9 @@ def build_rl_engine(
         device=device,
         cp_layout=layout,
         cp_groups=_pool_cp_groups(),
-        cp_workload=WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size),
+        cp_workload=WorkloadModel.from_transformer_config(
+            tf_config, vocab_size=None if value_model else hf.get("vocab_size")
+        ),
         micro_batching=micro_batching,
         value_model=value_model,
         use_remove_padding=engine.use_remove_padding,

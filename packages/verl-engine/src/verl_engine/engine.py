@@ -49,7 +49,7 @@ from verl_mcore_utils.compat import make_megatron_optimizer
 from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
 from verl_mcore_utils.parallel import ParallelDims
-from verl_mcore_utils.transformer_config import hf_to_transformer_config
+from verl_mcore_utils.transformer_config import hf_get, hf_to_transformer_config
 from verl_mcore_utils.wgrad_fusion import with_wgrad_fusion
 
 if TYPE_CHECKING:
@@ -426,7 +426,9 @@ def build_engine(
             kernel=m.packed_attention_backend,
         )
         cp_groups = _pool_cp_groups()
-        cp_workload = WorkloadModel.for_transformer(hidden_size=tf_config.hidden_size)
+        cp_workload = WorkloadModel.from_transformer_config(
+            tf_config, vocab_size=hf_get(hf_config, "vocab_size")
+        )
     # One wrapping path for every backend: verl-mcore-utils' make_megatron_module (Float16Module, DDP config
     # from build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP, with verl-config's converter of the
     # megatron section; the CPU debug backend takes the unwrapped chunk.
