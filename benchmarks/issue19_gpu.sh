@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19's single-GPU figures in one lease (so before/after and ceiling share a machine).
-# Usage (device machine, wheelhouse/ carried): bash benchmarks/issue19_gpu.sh OUT_DIR sim_and_steps|memory_and_shapes
+# Usage (device machine, wheelhouse/ carried): bash benchmarks/issue19_gpu.sh OUT_DIR PART... (sim, steps, memory_and_shapes)
 set -uo pipefail
 out=$(realpath "$1")
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheelhouse/*.whl || exit 1
@@ -9,9 +9,12 @@ cd "$(dirname "$0")"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 step() { python3 engine_step_gpu.py --variants fused "$@"; }
 mc=actor_rollout_ref.actor.megatron.override_transformer_config
-case "$2" in
-sim_and_steps)
-  timeout 150 python3 dyncp_plan_sim_gpu.py --out "$out/dyncp_plan_sim.json" | grep -v '^ '
+for part in "${@:2}"; do
+case "$part" in
+sim)
+  timeout 200 python3 dyncp_plan_sim_gpu.py --out "$out/dyncp_plan_sim.json" | grep -v '^ '
+  ;;
+steps)
   # headline: 1.5B, 4096-token sequences, 8192-token micro-batches, 8 and 64 sequences per step
   step --shape qwen2.5-1.5b --seq 4096 --max-token-len 8192 --out "$out/engine_step_1.5b_4k_mt8k.json"
   # 4096-token micro-batches (micro-batch 1): Triton kernels vs torch ops (the unexplained slowdown), peak memory
@@ -28,3 +31,4 @@ memory_and_shapes)
   step --shape qwen2.5-1.5b --seq 16384 --lengths varied --steps-of 16 --recompute --out "$out/engine_step_1.5b_16k_varied.json"
   ;;
 esac
+done

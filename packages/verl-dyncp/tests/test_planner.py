@@ -348,3 +348,41 @@ def test_workload_model_from_a_megatron_transformer_config() -> None:
     assert WorkloadModel.from_transformer_config(config, vocab_size=151936) == WorkloadModel.for_transformer(
         hidden_size=1536, vocab_size=151936, **shape
     )
+
+
+def test_token_cap_keeps_ranks_within_the_micro_batch_budget() -> None:
+    """Micro-batches cut at 16K tokens per rank (long tail 256-32K): balancing cost alone gives some rank more
+    than 16K tokens in most of them (short sequences are cheap per token); with ``max_tokens_per_rank``
+    almost none overshoot, and those by little (bin packing can be infeasible, so the cap is a preference)."""
+    workload = WorkloadModel.for_transformer(
+        hidden_size=1536, ffn_hidden_size=8960, gated_linear_unit=True, num_attention_heads=12,
+        num_query_groups=2, kv_channels=128, num_layers=28, vocab_size=151936,
+    )  # fmt: skip
+    rng = random.Random(0)
+    cap = 16384
+    over = {None: 0, cap: 0}
+    worst = {None: 0.0, cap: 0.0}
+    for _ in range(120):
+        n = rng.choice([4, 8])
+        lens: list[int] = []
+        while sum(lens) < cap * n:
+            lens.append(min(max(int(rng.lognormvariate(7.6, 1.2)), 256), 32768))
+        lens.pop()
+        for c in (None, cap):
+            for fn in (plan_dynamic_cp, plan_mixed_cp):
+                plan = fn(
+                    lens,
+                    dp_cp_size=n,
+                    max_seqlen_per_dp_cp_rank=cap,
+                    workload=workload,
+                    max_tokens_per_rank=c,
+                )
+                assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
+                tokens = max(-(-sum(lens[i] for i in b.sequences) // b.size) for b in plan.blocks)
+                over[c] += tokens > cap
+                worst[c] = max(worst[c], tokens / cap)
+    assert over[None] >= 60, over  # without the cap: most micro-batches overshoot
+    assert over[cap] <= 0.1 * 240 and worst[cap] <= 1.1, (over, worst)
+    assert worst[cap] < worst[None], worst
+    with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int, got 0"):
+        plan_dynamic_cp([5], dp_cp_size=2, max_seqlen_per_dp_cp_rank=8, max_tokens_per_rank=0)

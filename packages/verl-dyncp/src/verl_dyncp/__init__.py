@@ -24,6 +24,8 @@ from typing import Any
 
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.planner import (
+    DEFAULT_LARGER_CP_MIN_GAIN,
+    MEASURED_ATTENTION_COST_FACTOR,
     DynamicCPMicroBatch,
     DynamicCPPlan,
     WorkloadModel,
@@ -72,6 +74,8 @@ __all__ = [  # the names imported above, then every lazy name
     "THDBatch",
     "THDPackedMeta",
     "WorkloadModel",
+    "DEFAULT_LARGER_CP_MIN_GAIN",
+    "MEASURED_ATTENTION_COST_FACTOR",
     "all_reduce_loss",
     "attach_cp_context",
     "build_thd_meta",

@@ -51,6 +51,8 @@ from verl_dyncp.thd import THDBatch, build_thd_meta, gather_slots, preprocess_th
 from verl_mcore_utils.transfer import to_device_async
 
 __all__ = [
+    "DEFAULT_LARGER_CP_MIN_GAIN",
+    "MEASURED_ATTENTION_COST_FACTOR",
     "CPBlock",
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
@@ -67,6 +69,14 @@ __all__ = [
     "plan_dynamic_cp",
     "plan_mixed_cp",
 ]
+
+
+# How much slower a FLOP of causal attention runs than a FLOP of the dense layers, forward + backward, for
+# single sequences of 2K-16K tokens at the Qwen2.5-1.5B shape with verl-dyncp's CP-1 kernels (cuDNN SDPA),
+# bf16, one H100 / H200: 2.3-3.2 over four runs of benchmarks/dyncp_plan_sim_gpu.py (per length: ~12 at 2K,
+# where each call's fixed cost dominates, 4 at 4K, 1.6 at 8K, 1.15 at 16K). The engine's planner uses it;
+# with it the planner's plans were within 10% of the simulator's optimum on all 20 cases measured.
+MEASURED_ATTENTION_COST_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -292,25 +302,44 @@ class MixedCPPlan:
 
 
 def _assign_to_blocks(
-    sizes: Sequence[int], need: Sequence[int], costs: Sequence[int], *, refine: bool = True
+    sizes: Sequence[int],
+    need: Sequence[int],
+    costs: Sequence[int],
+    *,
+    refine: bool = True,
+    tokens: Sequence[int] | None = None,
+    cap: int | None = None,
 ) -> tuple[list[list[int]], list[int]] | None:
     """LPT over blocks of ``sizes``, then (``refine``) local search: each sequence (largest cost first) onto
     the block, among those at least as large as it needs, whose per-rank load ``(load + cost) / size`` is
     then smallest (ties: fewer sequences, so zero-cost ties still spread; then lower block index); then
     :func:`_refine`. None when a sequence fits no block. Sizes are powers of two, so ``(load + cost) *
-    (largest / size)`` compares per-rank loads exactly in integers."""
+    (largest / size)`` compares per-rank loads exactly in integers.
+
+    Memory: with ``cap`` (tokens per rank) and ``tokens`` (per sequence), a sequence goes only to blocks it
+    leaves within ``cap * size`` tokens; if none has room (bin packing can be infeasible), to the block with
+    the fewest tokens per rank after it, so the overshoot is as small as this greedy order allows."""
     loads = [0] * len(sizes)
+    held = [0] * len(sizes)
     members: list[list[int]] = [[] for _ in sizes]
     scale = [max(sizes) // k for k in sizes]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         fits = [j for j, k in enumerate(sizes) if k >= need[i]]
         if not fits:
             return None
+        if cap is not None and tokens is not None:
+            room = [j for j in fits if held[j] + tokens[i] <= cap * sizes[j]]
+            if not room:
+                j = min(fits, key=lambda j: ((held[j] + tokens[i]) * scale[j], j))
+                fits = [j]
+            else:
+                fits = room
         j = min(fits, key=lambda j: ((loads[j] + costs[i]) * scale[j], len(members[j]), j))
         members[j].append(i)
         loads[j] += costs[i]
+        held[j] += tokens[i] if tokens is not None else 0
     if refine:
-        _refine(sizes, need, costs, members, loads, scale)
+        _refine(sizes, need, costs, members, loads, scale, tokens=tokens, cap=cap)
     return members, loads
 
 
@@ -321,6 +350,9 @@ def _refine(
     members: list[list[int]],
     loads: list[int],
     scale: Sequence[int],
+    *,
+    tokens: Sequence[int] | None = None,
+    cap: int | None = None,
 ) -> None:
     """Lower the busiest block's per-rank load by moving one of its sequences to another block or swapping
     it for a cheaper one there, best improvement first, until no move or swap helps (in place).
@@ -330,8 +362,9 @@ def _refine(
     cost above the mean, and that rank sets the micro-batch's time. A move or swap is taken only if both
     blocks end strictly below the current peak, so the sorted vector of per-rank loads decreases
     lexicographically and the search ends; the LPT bound (peak <= mean + largest cost) still holds. A
-    block is never emptied (with at least as many sequences as blocks, none runs dummy work) and every
-    sequence stays on a block at least as large as it needs. Swap partners are found by bisection on
+    block is never emptied (with at least as many sequences as blocks, none runs dummy work), every
+    sequence stays on a block at least as large as it needs, and with a token ``cap`` no block ends above
+    ``cap`` tokens per rank unless it already was, and then it does not grow. Swap partners are found by bisection on
     each block's sorted costs, so a step costs O(members x blocks x log members): cheap next to the
     micro-batch it plans. Deterministic (integer arithmetic, fixed tie-breaking).
     """
@@ -340,6 +373,14 @@ def _refine(
     nblocks = len(sizes)
     if nblocks < 2:
         return
+    held = [sum(tokens[i] for i in members[j]) if tokens is not None else 0 for j in range(nblocks)]
+
+    def room(j: int, extra: int) -> bool:
+        """Block ``j`` may take ``extra`` more tokens (negative: fewer) under the cap."""
+        if cap is None or tokens is None or extra <= 0:
+            return True
+        return held[j] + extra <= max(cap * sizes[j], held[j])
+
     for _ in range(4 * len(costs) + 4):  # bound; every step strictly lowers the sorted load vector
         per_rank = [loads[j] * scale[j] for j in range(nblocks)]
         p = max(range(nblocks), key=lambda j: (per_rank[j], -j))
@@ -365,6 +406,10 @@ def _refine(
                     d = costs[i] - c2
                     if d <= 0:
                         continue
+                    if tokens is not None:
+                        moved = tokens[i] - (0 if i2 is None else tokens[i2])
+                        if not (room(j, moved) and room(p, -moved)):
+                            continue
                     a, b = (loads[p] - d) * scale[p], (loads[j] + d) * scale[j]
                     if max(a, b) >= peak:
                         continue
@@ -381,6 +426,10 @@ def _refine(
             members[p].append(i2)
         loads[p] -= d
         loads[j] += d
+        if tokens is not None:
+            moved = tokens[i] - (0 if i2 is None else tokens[i2])
+            held[p] -= moved
+            held[j] += moved
 
 
 # A larger CP group must lower the busiest rank's modelled load by at least this fraction: what the
@@ -391,7 +440,14 @@ DEFAULT_LARGER_CP_MIN_GAIN = 0.1
 
 
 def _balanced_cp_size(
-    costs: Sequence[int], *, smallest: int, dp_cp_size: int, min_gain: float | None, refine: bool
+    costs: Sequence[int],
+    *,
+    smallest: int,
+    dp_cp_size: int,
+    min_gain: float | None,
+    refine: bool,
+    tokens: Sequence[int] | None = None,
+    cap: int | None = None,
 ) -> int:
     """The CP size for a micro-batch: ``smallest`` (the longest sequence's need), doubled while the busiest
     rank's modelled load ``max(group load) / k`` drops by at least ``min_gain`` of the current choice's.
@@ -411,7 +467,9 @@ def _balanced_cp_size(
     best = None
     k = smallest
     while k <= largest:
-        assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(costs), costs, refine=refine)
+        assigned = _assign_to_blocks(
+            [k] * (dp_cp_size // k), [1] * len(costs), costs, refine=refine, tokens=tokens, cap=cap
+        )
         assert assigned is not None
         peak = Fraction(max(assigned[1]), k)
         if best is None:
@@ -431,6 +489,7 @@ def plan_dynamic_cp(
     workload: WorkloadModel | None = None,
     refine: bool = True,
     larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
+    max_tokens_per_rank: int | None = None,
 ) -> DynamicCPPlan:
     """The plan for one micro-batch: dynamic ``k``, or ``static_cp_size``.
 
@@ -438,6 +497,9 @@ def plan_dynamic_cp(
     and doubles while that lowers the busiest rank's modelled load by at least ``larger_cp_min_gain``
     (a fraction; None keeps the smallest ``k``), see :func:`_balanced_cp_size`. ``refine=False`` keeps
     plain LPT (no move / swap search). Both switches exist for comparison (``benchmarks/dyncp_plan_sim_gpu.py``).
+    ``max_tokens_per_rank``: the memory budget the micro-batch was cut for (tokens per rank); balancing
+    by cost alone can give a rank of short sequences more tokens than that, so with it set sequences go
+    only where they fit, while any group can take them (see :func:`_assign_to_blocks`).
     """
     lens = tuple(int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens))
     if not lens:
@@ -471,12 +533,21 @@ def plan_dynamic_cp(
         )
     model = workload or WorkloadModel()
     costs = [model.cost(n) for n in lens]
+    cap = None if max_tokens_per_rank is None else _check_pos_int("max_tokens_per_rank", max_tokens_per_rank)
     if static_cp_size is None:
         k = _balanced_cp_size(
-            costs, smallest=k, dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, refine=refine
+            costs,
+            smallest=k,
+            dp_cp_size=dp_cp_size,
+            min_gain=larger_cp_min_gain,
+            refine=refine,
+            tokens=lens,
+            cap=cap,
         )
     # every group has size k >= every sequence's need: LPT (+ local search) over equal groups
-    assigned = _assign_to_blocks([k] * (dp_cp_size // k), [1] * len(lens), costs, refine=refine)
+    assigned = _assign_to_blocks(
+        [k] * (dp_cp_size // k), [1] * len(lens), costs, refine=refine, tokens=lens, cap=cap
+    )
     assert assigned is not None
     members, loads = assigned
     return DynamicCPPlan(
@@ -496,6 +567,7 @@ def plan_mixed_cp(
     workload: WorkloadModel | None = None,
     refine: bool = True,
     larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
+    max_tokens_per_rank: int | None = None,
 ) -> MixedCPPlan:
     """Several CP sizes in one micro-batch: long sequences on large blocks, short ones on small blocks.
 
@@ -525,11 +597,13 @@ def plan_mixed_cp(
     def peak(sizes: Sequence[int], loads: Sequence[int]) -> Fraction:
         return max(Fraction(load, k) for load, k in zip(loads, sizes, strict=True))
 
+    cap = None if max_tokens_per_rank is None else _check_pos_int("max_tokens_per_rank", max_tokens_per_rank)
+    fit = {"refine": refine, "tokens": lens, "cap": cap}
     largest = _balanced_cp_size(
-        costs, smallest=max(need), dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, refine=refine
+        costs, smallest=max(need), dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, **fit
     )
     sizes = [largest] * (dp_cp_size // largest)
-    assigned = _assign_to_blocks(sizes, need, costs, refine=refine)
+    assigned = _assign_to_blocks(sizes, need, costs, **fit)
     assert assigned is not None  # every sequence fits a block of the largest need
     best = peak(sizes, assigned[1])
     while True:
@@ -540,7 +614,7 @@ def plan_mixed_cp(
             trial = list(sizes)
             trial.remove(k)
             trial = sorted([*trial, k // 2, k // 2], reverse=True)
-            result = _assign_to_blocks(trial, need, costs, refine=refine)
+            result = _assign_to_blocks(trial, need, costs, **fit)
             if result is not None:
                 trials.append((peak(trial, result[1]), -k, trial, result))
         if not trials:
@@ -617,6 +691,7 @@ def dynamic_cp_split_batch(
     workload: WorkloadModel | None = None,
     mixed: bool = False,
     larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
+    max_tokens_per_rank: int | None = None,
 ) -> DynamicCPMicroBatch:
     """Plan the packed micro-batch and return this rank's local THD inputs.
 
@@ -636,6 +711,7 @@ def dynamic_cp_split_batch(
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             workload=workload,
             larger_cp_min_gain=larger_cp_min_gain,
+            max_tokens_per_rank=max_tokens_per_rank,
         )
     else:
         plan = plan_dynamic_cp(
@@ -645,6 +721,7 @@ def dynamic_cp_split_batch(
             static_cp_size=static_cp_size,
             workload=workload,
             larger_cp_min_gain=larger_cp_min_gain,
+            max_tokens_per_rank=max_tokens_per_rank,
         )
     if input_ids.dim() == 0 or input_ids.shape[0] != sum(plan.seq_lens):
         raise ValueError(

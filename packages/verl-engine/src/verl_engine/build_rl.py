@@ -217,7 +217,7 @@ def build_rl_engine(
         for chunk in chunks:
             for p in chunk.parameters():
                 p.requires_grad_(False)
-    from verl_dyncp.planner import WorkloadModel
+    from verl_dyncp.planner import MEASURED_ATTENTION_COST_FACTOR, WorkloadModel
     from verl_engine.engine import _pool_cp_groups
     from verl_engine.pipeline import PipelineLayout
 
@@ -240,7 +240,9 @@ def build_rl_engine(
         cp_layout=layout,
         cp_groups=_pool_cp_groups(),
         cp_workload=WorkloadModel.from_transformer_config(
-            tf_config, vocab_size=None if value_model else hf.get("vocab_size")
+            tf_config,
+            vocab_size=None if value_model else hf.get("vocab_size"),
+            attention_cost_factor=MEASURED_ATTENTION_COST_FACTOR,
         ),
         micro_batching=micro_batching,
         value_model=value_model,

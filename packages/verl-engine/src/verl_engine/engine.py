@@ -260,6 +260,7 @@ class Engine(Closeable):
             tp_size=self.dims.tp,
             workload=self.cp_workload,
             device=self.device,
+            max_tokens_per_rank=budget,
         )
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
@@ -417,7 +418,7 @@ def build_engine(
         provider = GPTModelProvider(hf_config=hf_config, transformer_config=tf_config, device=device)
     else:
         from verl_dyncp.model import THDGPTModelProvider
-        from verl_dyncp.planner import WorkloadModel
+        from verl_dyncp.planner import MEASURED_ATTENTION_COST_FACTOR, WorkloadModel
 
         provider = THDGPTModelProvider(
             hf_config=hf_config,
@@ -427,7 +428,9 @@ def build_engine(
         )
         cp_groups = _pool_cp_groups()
         cp_workload = WorkloadModel.from_transformer_config(
-            tf_config, vocab_size=hf_get(hf_config, "vocab_size")
+            tf_config,
+            vocab_size=hf_get(hf_config, "vocab_size"),
+            attention_cost_factor=MEASURED_ATTENTION_COST_FACTOR,
         )
     # One wrapping path for every backend: verl-mcore-utils' make_megatron_module (Float16Module, DDP config
     # from build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP, with verl-config's converter of the

@@ -261,8 +261,13 @@ def plan_micro_batches(
     tp_size: int,
     workload: Any,
     device: torch.device,
+    max_tokens_per_rank: int | None = None,
 ) -> list[PlannedMicroBatch]:
-    """verl-dyncp's split of every micro-batch (sequence indices of ``batch``) over the DP x CP pool ``groups``."""
+    """verl-dyncp's split of every micro-batch (sequence indices of ``batch``) over the DP x CP pool ``groups``.
+
+    ``max_tokens_per_rank``: the per-rank token budget the micro-batches were cut for; the dynamic planner
+    then keeps each rank's tokens within it where the sequences allow (memory), not only its cost balanced.
+    """
     from verl_dyncp.planner import dynamic_cp_split_batch
     from verl_dyncp.thd_attention import thd_packed_seq_params
 
@@ -276,6 +281,7 @@ def plan_micro_batches(
             tp_size=tp_size,
             label_mask=None if sub.label_mask is None else sub.label_mask.to(device),
             workload=workload,
+            max_tokens_per_rank=max_tokens_per_rank if layout.dynamic else None,
             **layout.plan_kwargs(),
         )
         group = split.group.process_group if split.group.size > 1 else None

@@ -617,6 +617,9 @@ class RLEngine(Closeable):
             tp_size=self.tp_size,
             workload=self.cp_workload,
             device=self.device,
+            max_tokens_per_rank=self.micro_batching.max_token_len_per_gpu
+            if self.micro_batching.use_dynamic_bsz
+            else None,
         )
 
     def _forward(
