@@ -4,8 +4,8 @@ Per micro-batch the local CP size starts at ``k = smallest power of two >= ceil(
 max_seqlen_per_dp_cp_rank)`` (1, 2, 3, 4, 5 -> 1, 2, 4, 4, 8 when ``max_seqlen_per_dp_cp_rank`` is 1 token):
 the smallest group that can hold the longest sequence; it doubles while that lowers the busiest rank's
 modelled load by at least ``larger_cp_min_gain`` (10% by default; None keeps the smallest), which happens
-when one sequence costs more than a rank's fair share. The ``n`` DP x CP ranks form ``n / k`` aligned groups (:class:`CPGroups`)
-and the sequences are spread over them by greedy longest-processing-time (LPT) scheduling on the
+when one sequence costs more than a rank's fair share. The ``n`` DP x CP ranks form ``n / k`` aligned
+groups (:class:`CPGroups`) and the sequences are spread over them by greedy longest-processing-time (LPT) scheduling on the
 attention workload ``quadratic * L**2 + linear * L`` (:class:`WorkloadModel`): sequences sorted by
 cost, longest first (ties: lower index first), each placed on the group with the least load so far
 (ties: lower group index). LPT guarantees every group's load is at most the average load plus the
@@ -73,9 +73,9 @@ __all__ = [
 
 # How much slower a FLOP of causal attention runs than a FLOP of the dense layers, forward + backward, for
 # single sequences of 2K-16K tokens at the Qwen2.5-1.5B shape with verl-dyncp's CP-1 kernels (cuDNN SDPA),
-# bf16, one H100 / H200: 2.3-3.2 over four runs of benchmarks/dyncp_plan_sim_gpu.py (per length: ~12 at 2K,
+# bf16, one H200: 2.0-3.2 over nine runs of benchmarks/dyncp_plan_sim_gpu.py (per length: ~12 at 2K,
 # where each call's fixed cost dominates, 4 at 4K, 1.6 at 8K, 1.15 at 16K). The engine's planner uses it;
-# with it the planner's plans were within 10% of the simulator's optimum on all 20 cases measured.
+# with it the planner's plans were within 10% of the simulator's optimum in 39 of 40 cases (docs/benchmarks.md).
 MEASURED_ATTENTION_COST_FACTOR = 3.0
 
 
@@ -112,7 +112,7 @@ class WorkloadModel:
         vocab_size: int | None = None,
         attention_cost_factor: float = 1.0,
     ) -> WorkloadModel:
-        """The FLOP ratio of one layer's dense work per token to its causal attention per token per token.
+        """The workload model from the FLOPs of one layer: dense work per token vs causal attention per token.
 
         Forward FLOPs per token of one layer: QKV ``2 h (a + 2 g d)``, output projection ``2 a h``, MLP
         ``2 h f (2 if gated else 1) + 2 f h`` (``a = heads x d``, ``g`` query groups, ``d`` = kv_channels,
@@ -364,8 +364,8 @@ def _refine(
     lexicographically and the search ends; the LPT bound (peak <= mean + largest cost) still holds. A
     block is never emptied (with at least as many sequences as blocks, none runs dummy work), every
     sequence stays on a block at least as large as it needs, and with a token ``cap`` no block ends above
-    ``cap`` tokens per rank unless it already was, and then it does not grow. Swap partners are found by bisection on
-    each block's sorted costs, so a step costs O(members x blocks x log members): cheap next to the
+    ``cap`` tokens per rank unless it already was, and then it does not grow. Swap partners are found by
+    bisection on each block's sorted costs, so a step costs O(members x blocks x log members): cheap next to the
     micro-batch it plans. Deterministic (integer arithmetic, fixed tie-breaking).
     """
     from bisect import bisect_left
