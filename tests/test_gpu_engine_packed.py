@@ -40,14 +40,21 @@ DYN2 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=512"]  # k: 2 for 800 / 1000 t
 DYN4 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=256"]  # k: 4 for 800 / 1000, 2 for 512, 1 for the rest
 BUDGET = 512  # micro-batch token budget per rank for static layouts
 TE = ["megatron.packed_attention_backend=te"]
-LAYOUTS = [
-    (2, ["megatron.context_parallel_size=2"], BUDGET),
-    (2, DYN2, None),
-    (4, ["megatron.context_parallel_size=4"], BUDGET),
-    (4, ["megatron.context_parallel_size=2"], BUDGET),
-    (4, DYN4, None),
-]
 LAYOUT_IDS = ["static2-w2", "dynamic-w2", "static4-w4", "static2-w4", "dynamic-w4"]
+LAYOUTS = [  # each layout needs as many GPUs as its world size, no more
+    pytest.param(world, overrides, budget, id=name, marks=pytest.mark.num_gpus(world))
+    for name, (world, overrides, budget) in zip(
+        LAYOUT_IDS,
+        [
+            (2, ["megatron.context_parallel_size=2"], BUDGET),
+            (2, DYN2, None),
+            (4, ["megatron.context_parallel_size=4"], BUDGET),
+            (4, ["megatron.context_parallel_size=2"], BUDGET),
+            (4, DYN4, None),
+        ],
+        strict=True,
+    )
+]
 
 
 def _run(world: int, overrides: list[str], budget: int | None) -> dict[str, Any]:
@@ -96,8 +103,8 @@ def _check_cp_run(
         assert sizes == {int(overrides[0].split("=")[1])}
 
 
-@pytest.mark.num_gpus(4)
-@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.gpu
+@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS)
 def test_bf16_cp_matches_no_cp(refs: dict, world: int, overrides: list[str], budget: int | None) -> None:
     out = _run(world, [*BF16, *overrides], budget)
     assert out["attention"] == ["DynCPCoreAttentionRoPE"], out["attention"]
@@ -123,8 +130,8 @@ def test_transformer_engine_without_cp_is_as_accurate_as_bf16(refs: dict, te_ref
     assert te_ref["positions"] == refs["fp32"]["positions"]
 
 
-@pytest.mark.num_gpus(4)
-@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.gpu
+@pytest.mark.parametrize(("world", "overrides", "budget"), LAYOUTS)
 def test_bf16_transformer_engine_cp_matches_no_cp(
     refs: dict, te_ref: dict, world: int, overrides: list[str], budget: int | None
 ) -> None:
