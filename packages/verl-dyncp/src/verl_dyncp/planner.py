@@ -38,6 +38,8 @@ sum, e.g. ``calculate_per_token_loss``), or the gradients come out ``n`` times t
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -343,6 +345,10 @@ def _assign_to_blocks(
     return members, loads
 
 
+# how many of the least loaded blocks the local search tries as partners of the busiest one per step
+_REFINE_TARGETS = 8
+
+
 def _refine(
     sizes: Sequence[int],
     need: Sequence[int],
@@ -365,11 +371,10 @@ def _refine(
     block is never emptied (with at least as many sequences as blocks, none runs dummy work), every
     sequence stays on a block at least as large as it needs, and with a token ``cap`` no block ends above
     ``cap`` tokens per rank unless it already was, and then it does not grow. Swap partners are found by
-    bisection on each block's sorted costs, so a step costs O(members x blocks x log members): cheap next to the
-    micro-batch it plans. Deterministic (integer arithmetic, fixed tie-breaking).
+    bisection on each block's sorted costs among the ``_REFINE_TARGETS`` least loaded blocks, so a step
+    costs O(blocks + members x log members): cheap next to the micro-batch it plans, also on hundreds of
+    ranks. Deterministic (integer arithmetic, fixed tie-breaking).
     """
-    from bisect import bisect_left
-
     nblocks = len(sizes)
     if nblocks < 2:
         return
@@ -381,17 +386,22 @@ def _refine(
             return True
         return held[j] + extra <= max(cap * sizes[j], held[j])
 
+    ordered = [sorted((costs[i], i) for i in members[j]) for j in range(nblocks)]
     for _ in range(4 * len(costs) + 4):  # bound; every step strictly lowers the sorted load vector
         per_rank = [loads[j] * scale[j] for j in range(nblocks)]
         p = max(range(nblocks), key=lambda j: (per_rank[j], -j))
         peak = per_rank[p]
-        ordered = [sorted((costs[i], i) for i in members[j]) for j in range(nblocks)]
+        # partners among the least loaded blocks only: a move or swap lands a block at or above its current
+        # load, so these hold the best improvements; it keeps a step cheap with hundreds of ranks
+        targets = heapq.nsmallest(
+            _REFINE_TARGETS, (j for j in range(nblocks) if j != p), key=lambda j: (per_rank[j], j)
+        )
         best: tuple | None = None
         for i in members[p]:
             if len(members[p]) == 1:
                 break  # moving or swapping the only sequence just moves the peak (or empties the block)
-            for j in range(nblocks):
-                if j == p or sizes[j] < need[i]:
+            for j in targets:
+                if sizes[j] < need[i]:
                     continue
                 # ideal transfer d* = (peak - per_rank[j]) / (scale[p] + scale[j]) of cost from p to j
                 target = costs[i] - (peak - per_rank[j]) // (scale[p] + scale[j])
@@ -421,9 +431,13 @@ def _refine(
         _, i, j, i2, d = best
         members[p].remove(i)
         members[j].append(i)
+        ordered[p].remove((costs[i], i))
+        insort(ordered[j], (costs[i], i))
         if i2 is not None:
             members[j].remove(i2)
             members[p].append(i2)
+            ordered[j].remove((costs[i2], i2))
+            insort(ordered[p], (costs[i2], i2))
         loads[p] -= d
         loads[j] += d
         if tokens is not None:
@@ -456,17 +470,22 @@ def _balanced_cp_size(
     costs more than a rank's fair share (few sequences, or one long one among short ones), groups of that
     size cannot balance: the rank holding it runs while the others wait. A group twice as large splits it
     (zigzag, evenly). Comparing exact fractions of integer loads keeps every rank's choice identical.
+    No size can put the busiest rank below the mean ``sum(costs) / dp_cp_size``, so the search stops as
+    soon as the current choice is within the gain of it (the common case: one size tried).
     """
     if min_gain is None:
         return smallest
     if not 0 <= min_gain < 1:
         raise ValueError(f"larger_cp_min_gain must be in [0, 1) or None, got {min_gain!r}")
     keep = 1 - Fraction(str(min_gain))
+    mean = Fraction(sum(costs), dp_cp_size)
     largest = _largest_pow2_divisor(dp_cp_size)
     best_k = smallest
     best = None
     k = smallest
     while k <= largest:
+        if best is not None and best * keep < mean:
+            break  # no larger size can gain min_gain: every busiest rank carries at least the mean
         assigned = _assign_to_blocks(
             [k] * (dp_cp_size // k), [1] * len(costs), costs, refine=refine, tokens=tokens, cap=cap
         )
