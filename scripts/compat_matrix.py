@@ -79,6 +79,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "weight-gradient accumulation fused into the GEMM (no apex)",
         ("test_wgrad_fusion",),
     ),
+    ("verl-mcore-utils", "sync-free gradient norm and clipping without apex", ("test_multi_tensor",)),
     ("verl-mcore-utils", "multi-process test helper", ("test_testing",)),
     ("verl-dyncp", "CP groups", ("test_groups",)),
     ("verl-dyncp", "planner: dynamic / static CP, split, merge, loss", ("test_planner",)),
