@@ -179,22 +179,28 @@ class Simulator:
         x0, x1, y0, y1 = GRID[i - 1], GRID[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def attention(self, layout) -> float:
+    def attention(self, layout, timer: Timer | None = None) -> float:
         key = ("attn", layout.cp_size, tuple(layout.padded_lens), layout.cp_rank)
-        return self.timer(key, lambda: Layer.attention(layout))
+        return (timer or self.timer)(key, lambda: Layer.attention(layout))
+
+    def _block_cost(self, lens: tuple[int, ...], k: int, timer: Timer | None = None) -> tuple[float, float]:
+        """(slowest rank's compute seconds, K/V bytes per rank) of a k-rank block running ``lens``."""
+        worst = 0.0
+        for layout in rank_layouts(list(lens), k):
+            t = layout.num_local_tokens
+            cost = LAYERS * (self.attention(layout, timer) + self._interp("dense", t)) + self._interp(
+                "head", t
+            )
+            worst = max(worst, cost)
+        padded = sum(n if k == 1 else -(-n // (2 * k)) * 2 * k for n in lens)
+        kv_bytes = 0.0 if k == 1 else LAYERS * 2 * (k - 1) / k * padded * 2 * KV * HD * 2
+        return worst, kv_bytes
 
     def block(self, lens: tuple[int, ...], k: int) -> tuple[float, float]:
         if not lens:
             return 0.0, 0.0
         if (k, lens) not in self.blocks:
-            worst = 0.0
-            for layout in rank_layouts(list(lens), k):
-                t = layout.num_local_tokens
-                cost = LAYERS * (self.attention(layout) + self._interp("dense", t)) + self._interp("head", t)
-                worst = max(worst, cost)
-            padded = sum(n if k == 1 else -(-n // (2 * k)) * 2 * k for n in lens)
-            kv_bytes = 0.0 if k == 1 else LAYERS * 2 * (k - 1) / k * padded * 2 * KV * HD * 2
-            self.blocks[(k, lens)] = (worst, kv_bytes)
+            self.blocks[(k, lens)] = self._block_cost(lens, k)
         return self.blocks[(k, lens)]
 
     def micro_batch(self, blocks: list[tuple[int, tuple[int, ...]]], link: float) -> float:
@@ -205,20 +211,8 @@ class Simulator:
         """:meth:`micro_batch` timed afresh (own timer, ``repeat`` runs): picking the minimum over thousands of
         memoised, noisy plan costs favours plans measured low by chance; the chosen plans are compared again."""
         timer = Timer(repeat)
-        worst_block = 0.0
-        for k, lens in blocks:
-            if not lens:
-                continue
-            worst = 0.0
-            for layout in rank_layouts(list(lens), k):
-                key = ("attn", k, tuple(layout.padded_lens), layout.cp_rank)
-                attn = timer(key, lambda layout=layout: Layer.attention(layout))
-                t = layout.num_local_tokens
-                worst = max(worst, LAYERS * (attn + self._interp("dense", t)) + self._interp("head", t))
-            padded = sum(n if k == 1 else -(-n // (2 * k)) * 2 * k for n in lens)
-            kv_bytes = 0.0 if k == 1 else LAYERS * 2 * (k - 1) / k * padded * 2 * KV * HD * 2
-            worst_block = max(worst_block, worst + kv_bytes / link)
-        return worst_block
+        costs = (self._block_cost(lens, k, timer) for k, lens in blocks if lens)
+        return max(c + b / link for c, b in costs)
 
     def single_attention(self, n: int) -> float:
         """One sequence's attention (fwd + bwd, one layer) at CP 1: the cheapest kernel it can get."""
