@@ -462,9 +462,11 @@ def _balanced_cp_size(
     refine: bool,
     tokens: Sequence[int] | None = None,
     cap: int | None = None,
-) -> int:
-    """The CP size for a micro-batch: ``smallest`` (the longest sequence's need), doubled while the busiest
-    rank's modelled load ``max(group load) / k`` drops by at least ``min_gain`` of the current choice's.
+) -> tuple[int, tuple[list[list[int]], list[int]]]:
+    """The CP size for a micro-batch and its groups' assignment (:func:`_assign_to_blocks` over equal groups
+    of that size, returned so the caller does not compute it again): ``smallest`` (the longest sequence's
+    need), doubled while the busiest rank's modelled load ``max(group load) / k`` drops by at least
+    ``min_gain`` of the current choice's.
 
     Why: the smallest size that holds the longest sequence is not always the fastest. When one sequence
     costs more than a rank's fair share (few sequences, or one long one among short ones), groups of that
@@ -473,30 +475,32 @@ def _balanced_cp_size(
     No size can put the busiest rank below the mean ``sum(costs) / dp_cp_size``, so the search stops as
     soon as the current choice is within the gain of it (the common case: one size tried).
     """
-    if min_gain is None:
-        return smallest
-    if not 0 <= min_gain < 1:
-        raise ValueError(f"larger_cp_min_gain must be in [0, 1) or None, got {min_gain!r}")
-    keep = 1 - Fraction(str(min_gain))
-    mean = Fraction(sum(costs), dp_cp_size)
-    largest = _largest_pow2_divisor(dp_cp_size)
-    best_k = smallest
-    best = None
-    k = smallest
-    while k <= largest:
-        if best is not None and best * keep < mean:
-            break  # no larger size can gain min_gain: every busiest rank carries at least the mean
+
+    def assign(k: int) -> tuple[list[list[int]], list[int]]:
         assigned = _assign_to_blocks(
             [k] * (dp_cp_size // k), [1] * len(costs), costs, refine=refine, tokens=tokens, cap=cap
         )
-        assert assigned is not None
+        assert assigned is not None  # equal groups: every sequence fits any of them
+        return assigned
+
+    if min_gain is not None and not 0 <= min_gain < 1:
+        raise ValueError(f"larger_cp_min_gain must be in [0, 1) or None, got {min_gain!r}")
+    best_k, best_assigned = smallest, assign(smallest)
+    if min_gain is None:
+        return best_k, best_assigned
+    keep = 1 - Fraction(str(min_gain))
+    mean = Fraction(sum(costs), dp_cp_size)
+    best = Fraction(max(best_assigned[1]), smallest)
+    k = smallest * 2
+    while k <= _largest_pow2_divisor(dp_cp_size):
+        if best * keep < mean:
+            break  # no larger size can gain min_gain: every busiest rank carries at least the mean
+        assigned = assign(k)
         peak = Fraction(max(assigned[1]), k)
-        if best is None:
-            best = peak
-        elif peak <= best * keep:
-            best_k, best = k, peak
+        if peak <= best * keep:
+            best_k, best_assigned, best = k, assigned, peak
         k *= 2
-    return best_k
+    return best_k, best_assigned
 
 
 def plan_dynamic_cp(
@@ -553,22 +557,17 @@ def plan_dynamic_cp(
     model = workload or WorkloadModel()
     costs = [model.cost(n) for n in lens]
     cap = None if max_tokens_per_rank is None else _check_pos_int("max_tokens_per_rank", max_tokens_per_rank)
-    if static_cp_size is None:
-        k = _balanced_cp_size(
-            costs,
-            smallest=k,
-            dp_cp_size=dp_cp_size,
-            min_gain=larger_cp_min_gain,
-            refine=refine,
-            tokens=lens,
-            cap=cap,
-        )
-    # every group has size k >= every sequence's need: LPT (+ local search) over equal groups
-    assigned = _assign_to_blocks(
-        [k] * (dp_cp_size // k), [1] * len(lens), costs, refine=refine, tokens=lens, cap=cap
+    # every group has size k >= every sequence's need: LPT (+ local search) over equal groups; static CP
+    # keeps its size (min_gain None)
+    k, (members, loads) = _balanced_cp_size(
+        costs,
+        smallest=k,
+        dp_cp_size=dp_cp_size,
+        min_gain=larger_cp_min_gain if static_cp_size is None else None,
+        refine=refine,
+        tokens=lens,
+        cap=cap,
     )
-    assert assigned is not None
-    members, loads = assigned
     return DynamicCPPlan(
         seq_lens=lens,
         dp_cp_size=dp_cp_size,
@@ -618,12 +617,11 @@ def plan_mixed_cp(
 
     cap = None if max_tokens_per_rank is None else _check_pos_int("max_tokens_per_rank", max_tokens_per_rank)
     fit = {"refine": refine, "tokens": lens, "cap": cap}
-    largest = _balanced_cp_size(
+    # blocks of the one-k plan's size: each at least every sequence's need, so its assignment is the one-k one
+    largest, assigned = _balanced_cp_size(
         costs, smallest=max(need), dp_cp_size=dp_cp_size, min_gain=larger_cp_min_gain, **fit
     )
     sizes = [largest] * (dp_cp_size // largest)
-    assigned = _assign_to_blocks(sizes, need, costs, **fit)
-    assert assigned is not None  # every sequence fits a block of the largest need
     best = peak(sizes, assigned[1])
     while True:
         trials = []
