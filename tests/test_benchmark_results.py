@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import platform
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -23,3 +27,19 @@ def test_a_name_counts_only_as_a_whole_file_name(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("Raw: `benchmarks/results/run_repeat.json`, results/logs/a.log. The b.txt.gz archive.\n")
     assert cbr.unnamed(results=results, doc=doc) == ["b.txt", "run.json"]
+
+
+def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _record
+
+    out = tmp_path / "results" / "x.json"
+    record = _record.write_record(
+        out, benchmark="x", config={"n": 1}, numbers={"tokens_per_s": 2.5}, device="test device"
+    )
+    assert json.loads(out.read_text()) == record
+    assert set(record) == _record.COMMON_KEYS | {"tokens_per_s"}
+    assert record["device"] == "test device"
+    assert record["versions"]["python"] == platform.python_version()
+    with pytest.raises(ValueError, match="common keys"):
+        _record.write_record(out, benchmark="x", config={}, numbers={"device": "clash"})
