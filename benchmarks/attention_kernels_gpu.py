@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _record import write_record
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HEADS, KV, HD = 12, 2, 128
@@ -150,17 +151,17 @@ def main() -> None:
                 record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             results.append(record)
             print(json.dumps(record), flush=True)
-    out = {
-        "benchmark": "attention_kernels_gpu",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
-        "shape": {"heads": HEADS, "kv_heads": KV, "head_dim": HD, "dtype": "bfloat16"},
-        "flops": "causal: 4 n^2 H D forward, 3.5 x that forward + backward",
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_record(
+        args.out,
+        benchmark="attention_kernels_gpu",
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        more_versions={"cudnn": torch.backends.cudnn.version()},
+        numbers={
+            "shape": {"heads": HEADS, "kv_heads": KV, "head_dim": HD, "dtype": "bfloat16"},
+            "flops": "causal: 4 n^2 H D forward, 3.5 x that forward + backward",
+            "results": results,
+        },
+    )
     print(f"{'row':<18} {'kernel':<18} {'fwd ms':>8} {'f+b ms':>8} {'f+b TF/s':>9} {'err':>8}")
     for r in results:
         if "error" in r:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 import warnings
-from importlib import metadata
 from pathlib import Path
+
+from _record import results_path, write_record
 
 COMMON = [
     "data.train_batch_size=512",
@@ -64,7 +64,7 @@ ENGINE = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/config_load_cpu.json"))
+    parser.add_argument("--out", type=Path, default=results_path("config_load_cpu.json"))
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -98,19 +98,19 @@ def main() -> None:
             "p90_ms": round(times[int(0.9 * (len(times) - 1))], 2),
             "max_ms": round(times[-1], 2),
         }
-    record = {
-        "benchmark": "config_load",
-        "what": "verl_config.load_config('ppo_trainer', overrides=...) = compose + parse + merge + resolve + build + validate",
-        "target_ms": 100,
-        "device": f"CPU: {platform.processor() or platform.machine()}",
-        "python": platform.python_version(),
-        "versions": {p: metadata.version(p) for p in ("verl-config", "omegaconf")},
-        "import_ms": round(import_ms, 2),
-        "repeat": args.repeat,
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    record = write_record(
+        args.out,
+        benchmark="config_load",
+        config={"repeat": args.repeat},
+        extra_versions=("omegaconf",),
+        numbers={
+            "what": "verl_config.load_config('ppo_trainer', overrides=...) = compose + parse + merge + resolve + build + validate",
+            "target_ms": 100,
+            "import_ms": round(import_ms, 2),
+            "repeat": args.repeat,
+            "results": results,
+        },
+    )
     print(json.dumps(record, indent=2))
 
 

@@ -33,12 +33,12 @@ import gc
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from _record import write_record
 
 LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192", "dynamic_mixed")
 
@@ -152,16 +152,6 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     return result
 
 
-def _te_version() -> str | None:
-    """Transformer Engine's version where installed (the ``+te`` layouts need it), else None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("transformer_engine")
-    except PackageNotFoundError:
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,7 +180,6 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from verl_mcore_utils.compat import mcore_version
     from verl_mcore_utils.parallel import destroy_parallel, init_parallel
 
     dims = init_parallel(device=args.device)
@@ -216,16 +205,12 @@ def main() -> None:
             print(name, json.dumps({k: v for k, v in results[name].items() if k != "losses"}), flush=True)
     if dist.get_rank() == 0:
         base = results.get("static4", {}).get("tokens_per_s")
-        record = {
-            "benchmark": "dyncp_longtail",
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
-            "gpus": dist.get_world_size(),
-            "torch": torch.__version__,
-            "megatron_core": str(mcore_version()),
-            "transformer_engine": _te_version(),
-            # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
-            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
-            "config": {
+        record = write_record(
+            args.out,
+            benchmark="dyncp_longtail",
+            device=None if args.device == "cuda" else "cpu (smoke run)",
+            extra_versions=("transformer_engine",),  # the ``+te`` layouts need it
+            config={
                 **{k: v for k, v in vars(args).items() if k != "out"},
                 "lengths": {
                     "distribution": f"lognormal(median={args.median}, sigma={args.sigma}) clipped to [{args.min_len}, {args.max_len}]",
@@ -237,13 +222,16 @@ def main() -> None:
                     "per_step_max": [max(lens) for lens in steps_lens],
                 },
             },
-            "results": results,
-            "speedup_vs_static4": {
-                k: v["tokens_per_s"] / base for k, v in results.items() if base and "tokens_per_s" in v
+            numbers={
+                "gpus": dist.get_world_size(),
+                # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
+                "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+                "results": results,
+                "speedup_vs_static4": {
+                    k: v["tokens_per_s"] / base for k, v in results.items() if base and "tokens_per_s" in v
+                },
             },
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
+        )
         print(json.dumps(record["speedup_vs_static4"]), flush=True)
     destroy_parallel()
     os._exit(0)

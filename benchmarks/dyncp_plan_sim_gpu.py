@@ -48,11 +48,11 @@ import json
 import math
 import statistics
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
+from _record import write_record
 
 H, F, LAYERS, HEADS, KV, HD, VOCAB = 1536, 8960, 28, 12, 2, 128, 151936  # Qwen2.5-1.5B
 GRID = (128, 256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536)
@@ -495,11 +495,10 @@ def main() -> None:
                     "mean": statistics.mean(again),
                 }
 
-    record = {
-        "benchmark": "dyncp_plan_sim_gpu",
-        "device": torch.cuda.get_device_name(),
-        "versions": {p: metadata.version(p) for p in ("torch", "verl-dyncp", "verl-engine")},
-        "config": {
+    write_record(
+        args.out,
+        benchmark="dyncp_plan_sim_gpu",
+        config={
             **{k: v for k, v in vars(args).items() if k != "out"},
             "model": "Qwen2.5-1.5B layer shapes, bf16, 28 layers + LM head",
             "lengths": {
@@ -515,16 +514,18 @@ def main() -> None:
             "communication": "modelled: K/V all-gather + reduce-scatter per layer, not overlapped",
             "dense_and_head": f"measured at {list(GRID)} tokens, linear in between",
         },
-        "attention_cost_factor": fit,
-        "workload_models": {k: {"quadratic": v.quadratic, "linear": v.linear} for k, v in workloads.items()},
-        "lower_bound_seconds": bound,
-        "static4_over_bound": ceiling,
-        "plans": results,
-        "small_cases": small,
-        "wall_seconds": time.perf_counter() - t_start,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+        numbers={
+            "attention_cost_factor": fit,
+            "workload_models": {
+                k: {"quadratic": v.quadratic, "linear": v.linear} for k, v in workloads.items()
+            },
+            "lower_bound_seconds": bound,
+            "static4_over_bound": ceiling,
+            "plans": results,
+            "small_cases": small,
+            "wall_seconds": time.perf_counter() - t_start,
+        },
+    )
     summary = {
         name: {
             "speedup": r.get("speedup_vs_static4"),

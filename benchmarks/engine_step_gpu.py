@@ -28,32 +28,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import platform
 import statistics
 import time
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import torch
+from _common import SHAPES, build, lengths_for, make_batch, synced, train_step
+from _record import write_record
 
-SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
-    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
-    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
-}
 PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
-
-
-def hf_config(shape: str, *, seq: int) -> dict:
-    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
-    return {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied,
-        "max_position_embeddings": max(seq, 4096), "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "hidden_act": "silu", "torch_dtype": "bfloat16",
-    }  # fmt: skip
 
 
 def flops_per_sequence(shape: str, length: int) -> float:
@@ -87,47 +71,6 @@ def matmul_ceiling_tflops() -> float:
     return 2 * 8192**3 / min(times) / 1e12
 
 
-def lengths_for(kind: str, *, count: int, seq: int, seed: int) -> list[int]:
-    if kind == "fixed":
-        return [seq] * count
-    g = torch.Generator().manual_seed(seed)
-    # log-uniform from 256 to seq: many short sequences, a long tail
-    u = torch.rand(count, generator=g)
-    return [int(math.exp(math.log(256) + float(x) * (math.log(seq) - math.log(256)))) for x in u]
-
-
-def make_batch(lengths: list[int], *, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """verl's padded layout: a 64-token prompt (left-padded) and the rest as the response."""
-    g = torch.Generator().manual_seed(seed)
-    prompt = 64
-    response = max(lengths) - prompt
-    n = len(lengths)
-    ids = torch.zeros((n, prompt + response), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, length in enumerate(lengths):
-        ids[i, :length] = torch.randint(
-            1, vocab, (length,), generator=g
-        )  # prompt whole, response right-padded
-        mask[i, :length] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": mask[:, prompt:].clone(),
-        "old_log_probs": torch.full((n, response), -11.0),
-        "ref_log_prob": torch.full((n, response), -11.0),
-        "advantages": torch.randn((n, response), generator=g),
-    }
-
-
-def synced(fn):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t
-
-
 def measure(run, *, repeat: int) -> dict:
     """Median seconds of ``run()`` (after one warm-up) and the peak memory of the timed calls."""
     run()
@@ -139,57 +82,6 @@ def measure(run, *, repeat: int) -> dict:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "last": results[-1][0],
     }
-
-
-def train_step(engine, loss_fn, data, optimizer_s: list[float]):
-    """One optimizer step; the optimizer's own (synchronised) seconds are appended to ``optimizer_s``."""
-    engine.optimizer_zero_grad()
-    result = engine.forward_backward_batch(data, loss_fn, forward_only=False)
-    _, seconds = synced(engine.optimizer_step)
-    optimizer_s.append(seconds)
-    return result
-
-
-def build(
-    shape: str,
-    *,
-    seq: int,
-    fused: bool,
-    sequences: int,
-    recompute: bool = False,
-    extra: tuple[str, ...] = (),
-    max_token_len: int | None = None,
-) -> tuple:
-    from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
-
-    overrides = [
-        "model_engine=megatron",
-        "actor_rollout_ref.model.path=random-init",
-        f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
-        "trainer.n_gpus_per_node=1",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "data.max_prompt_length=64",
-        f"data.max_response_length={seq - 64}",
-        f"data.train_batch_size={sequences}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences}",
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len or seq}",
-        "actor_rollout_ref.actor.optim.total_training_steps=100",
-        "actor_rollout_ref.actor.entropy_coeff=0.001",
-        "actor_rollout_ref.actor.megatron.sequence_parallel=false",
-    ]
-    if recompute:  # megatron-core's full activation recompute, one layer per checkpoint
-        mc = "actor_rollout_ref.actor.megatron.override_transformer_config"
-        overrides += [
-            f"{mc}.recompute_granularity=full",
-            f"{mc}.recompute_method=uniform",
-            f"{mc}.recompute_num_layers=1",
-        ]
-    cfg = load_config(overrides=[*overrides, *extra])
-    device = torch.device("cuda", torch.cuda.current_device())
-    engine = rl_engine_from_config(cfg, role="actor", device=device, hf_config=hf_config(shape, seq=seq))
-    return engine, cfg
 
 
 def run_variant(args: argparse.Namespace, *, fused: bool, ceiling: float) -> dict:
@@ -318,14 +210,10 @@ def run_all(args: argparse.Namespace) -> None:
     ceiling = matmul_ceiling_tflops()
     start = torch.cuda.memory_allocated() / 2**30
     variants = [run_variant(args, fused=v == "fused", ceiling=ceiling) for v in args.variants]
-    record = {
-        "benchmark": "engine_step_gpu",
-        "device": torch.cuda.get_device_name(),
-        "python": platform.python_version(),
-        "versions": {
-            p: metadata.version(p) for p in ("torch", "megatron-core", "verl-engine", "verl-mcore-utils")
-        },
-        "config": {
+    record = write_record(
+        args.out,
+        benchmark="engine_step_gpu",
+        config={
             "shape": args.shape,
             "vocab": SHAPES[args.shape][5],
             "seq": args.seq,
@@ -340,13 +228,13 @@ def run_all(args: argparse.Namespace) -> None:
             "overrides": args.override,
             "torch_ops_instead_of_triton": args.torch_ops,
         },
-        "matmul_ceiling_tflops": ceiling,
-        "memory_gib_at_start": start,
-        "variants": variants,
-        "memory_gib_at_end": torch.cuda.memory_allocated() / 2**30,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+        numbers={
+            "matmul_ceiling_tflops": ceiling,
+            "memory_gib_at_start": start,
+            "variants": variants,
+            "memory_gib_at_end": torch.cuda.memory_allocated() / 2**30,
+        },
+    )
     print(json.dumps({k: v for k, v in record.items() if k != "variants"}, indent=2, default=float))
 
 

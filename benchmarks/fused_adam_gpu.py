@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
-from importlib import metadata
-from pathlib import Path
 
 import torch
+from _record import write_record
 
 SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
@@ -164,19 +162,13 @@ def main() -> None:
     bw = copy_bandwidth_gb_s()
     results = {shape: bench_shape(shape, bw) for shape in args.shapes}
     props = torch.cuda.get_device_properties(0)
-    report = {
-        "benchmark": "fused_adam_gpu",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": {"name": props.name, "memory_gib": props.total_memory / 2**30},
-        "versions": {
-            "python": platform.python_version(),
-            **{p: metadata.version(p) for p in ("torch", "megatron-core")},
-        },
-        "copy_bandwidth_gb_s": bw,
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report = write_record(
+        args.out,
+        benchmark="fused_adam_gpu",
+        device={"name": props.name, "memory_gib": props.total_memory / 2**30},
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        numbers={"copy_bandwidth_gb_s": bw, "results": results},
+    )
     print(json.dumps(report, indent=1))
 
 

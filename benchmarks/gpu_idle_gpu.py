@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from engine_step_gpu import SHAPES, build, lengths_for, make_batch, train_step
+from _common import SHAPES, build, lengths_for, make_batch, train_step
+from _record import write_record
 
 SYNCING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 
@@ -134,7 +135,7 @@ def main() -> None:
     batch = make_batch(
         lengths_for("fixed", count=8, seq=args.seq, seed=0), vocab=SHAPES[args.shape][5], seed=0
     )
-    record = {"config": vars(args) | {"out": str(args.out)}, "sections": {}}
+    sections: dict = {}
     for name, run, mode in (
         ("sft_step", partial(train_step, engine, sft_loss, batch, []), engine.train_mode),
         (
@@ -165,7 +166,7 @@ def main() -> None:
             ):
                 shutil.copyfileobj(src, dst)
         result = {"wall_ms_unprofiled": plain_wall * 1e3, **analyse(trace, top=args.top)}
-        record["sections"][name] = result
+        sections[name] = result
         print(
             f"== {name}: wall {plain_wall * 1e3:.0f} ms unprofiled, traced {result['wall_ms']:.0f} ms,"
             f" kernels busy {result['kernel_busy_ms']:.0f} ms, idle {result['idle_ms']:.0f} ms"
@@ -174,7 +175,12 @@ def main() -> None:
         print("   syncing calls:", json.dumps(result["syncing_runtime_calls"]))
         for g in result["largest_gaps"][:10]:
             print(f"   gap {g['ms']:.2f} ms at {g['at_ms']:.1f}: {', '.join(g['host_ops'][:5])}")
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(
+        args.out,
+        benchmark="gpu_idle_gpu",
+        config=vars(args) | {"out": str(args.out)},
+        numbers={"sections": sections},
+    )
 
 
 if __name__ == "__main__":

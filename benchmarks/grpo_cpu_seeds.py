@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
+
+from _record import results_path, write_record
 
 
 def run_seed(seed: int, extra: list[str], workdir: Path) -> dict:
@@ -58,7 +59,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", default="benchmarks/results/grpo_cpu_seeds.json")
+    parser.add_argument("--out", default=results_path("grpo_cpu_seeds.json"))
     parser.add_argument("--png", default="docs/img/grpo_arithmetic.png")
     parser.add_argument(
         "extra", nargs="*", help="more verl-engine grpo arguments (default: none = the defaults)"
@@ -88,24 +89,22 @@ def main() -> None:
         "rise_per_seed": [b - a for a, b in zip(first, final, strict=True)],
         "wall_s_per_seed": [r["wall_s"] for r in runs],
     }
-    result = {
-        "benchmark": "grpo_cpu_seeds",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": {
+    write_record(
+        args.out,
+        benchmark="grpo_cpu_seeds",
+        device={
             "kind": "cpu",
             "processor": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
         },
-        "versions": {
-            "python": platform.python_version(),
-            **{p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")},
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        extra_versions=("transformers",),
+        numbers={
+            "command": "verl-engine grpo --out <dir> --seed S --no-progress " + " ".join(args.extra),
+            "summary": summary,
+            "runs": runs,
         },
-        "command": "verl-engine grpo --out <dir> --seed S --no-progress " + " ".join(args.extra),
-        "summary": summary,
-        "runs": [{k: v for k, v in r.items()} for r in runs],
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    )
     from verl_engine.grpo_plot import plot_grpo_seeds
 
     series = {r["seed"]: [{"step": 0, "eval_accuracy": r["eval"][0]}, *r["records"]] for r in runs}

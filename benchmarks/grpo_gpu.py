@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 import torch
+from _record import write_record
 
 PHASES = ("sync", "generate", "old_log_prob", "ref_log_prob", "train")
 
@@ -90,29 +89,26 @@ def main() -> None:
         }
     props = torch.cuda.get_device_properties(0)
     params = 12 * args.hidden_size**2 * args.layers  # attention (GQA) + MLP (4x), roughly
-    result = {
-        "benchmark": "grpo_gpu",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": {"name": props.name, "memory_gib": props.total_memory / 2**30},
-        "versions": {
-            "python": platform.python_version(),
-            **{p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")},
+    result = write_record(
+        args.out,
+        benchmark="grpo_gpu",
+        device={"name": props.name, "memory_gib": props.total_memory / 2**30},
+        config={**vars(args), "approx_params": params},
+        extra_versions=("transformers",),
+        numbers={
+            "summary": {
+                name: {
+                    "phases": v["phases"],
+                    "step_seconds_mean": v["step_seconds_mean"],
+                    "peak_memory_gib": v["peak_memory_gib"],
+                    "eval": v["eval"],
+                    "wall_s": v["wall_s"],
+                }
+                for name, v in variants.items()
+            },
+            "variants": variants,
         },
-        "config": {**vars(args), "approx_params": params},
-        "summary": {
-            name: {
-                "phases": v["phases"],
-                "step_seconds_mean": v["step_seconds_mean"],
-                "peak_memory_gib": v["peak_memory_gib"],
-                "eval": v["eval"],
-                "wall_s": v["wall_s"],
-            }
-            for name, v in variants.items()
-        },
-        "variants": variants,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    )
     print(json.dumps(result["summary"], indent=1))
 
 

@@ -19,25 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 import torch
-from rl_engine_gpu import QWEN25_05B
-
-
-def save_model(path: Path, *, layers: int) -> Path:
-    import transformers
-
-    shape = {**QWEN25_05B, "num_hidden_layers": layers, "num_nextn_predict_layers": 1}
-    config = transformers.Qwen2Config(**shape, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+from _common import save_model
+from _record import write_record
 
 
 def make_batch(*, n: int, prompt: int, response: int, seed: int) -> dict[str, torch.Tensor]:
@@ -74,7 +62,9 @@ def main() -> None:
     from verl_mcore_utils.parallel import init_parallel
 
     work = Path(tempfile.mkdtemp())
-    model_dir = save_model(work / "qwen2_mtp", layers=args.layers)
+    model_dir = save_model(
+        work / "qwen2_mtp", layers=args.layers, extra={"num_nextn_predict_layers": 1}, small_init=False
+    )
     batch = make_batch(n=args.sequences, prompt=args.prompt, response=args.response, seed=0)
     tokens = int(batch["attention_mask"].sum())
     overrides = [
@@ -133,14 +123,10 @@ def main() -> None:
             )
             print(json.dumps(steps[-1]), flush=True)
     first, last = steps[0]["mtp_1_loss"], steps[-1]["mtp_1_loss"]
-    record = {
-        "benchmark": "mtp_gpu",
-        "device": torch.cuda.get_device_name(),
-        "python": platform.python_version(),
-        "versions": {
-            p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")
-        },
-        "config": {
+    record = write_record(
+        args.out,
+        benchmark="mtp_gpu",
+        config={
             "model": "Qwen2.5-0.5B-shaped, random weights, num_nextn_predict_layers=1",
             "layers": args.layers,
             "sequences": args.sequences,
@@ -149,18 +135,20 @@ def main() -> None:
             "lr": args.lr,
             "loss": "sft_loss + 0.1 * mtp_1_loss",
         },
-        "lm_head_grad_from_mtp_only": head_grad,
-        "mtp_layer_grad_from_mtp_only": mtp_grad,
-        "mtp_only_probe_metric": probe["metrics"]["mtp_losses/mtp_1_loss"],
-        "steps": steps,
-        "mtp_loss_first": first,
-        "mtp_loss_last": last,
-        "mtp_loss_fell": last < first,
-        "tokens_per_s_train_batch": tokens / (sum(s["seconds"] for s in steps[1:]) / max(1, len(steps) - 1)),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+        extra_versions=("transformers",),
+        numbers={
+            "lm_head_grad_from_mtp_only": head_grad,
+            "mtp_layer_grad_from_mtp_only": mtp_grad,
+            "mtp_only_probe_metric": probe["metrics"]["mtp_losses/mtp_1_loss"],
+            "steps": steps,
+            "mtp_loss_first": first,
+            "mtp_loss_last": last,
+            "mtp_loss_fell": last < first,
+            "tokens_per_s_train_batch": tokens
+            / (sum(s["seconds"] for s in steps[1:]) / max(1, len(steps) - 1)),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        },
+    )
     print(json.dumps({k: v for k, v in record.items() if k != "steps"}, indent=2, default=float))
     if not record["mtp_loss_fell"] or head_grad != 0.0 or mtp_grad == 0.0:
         raise SystemExit("MTP check failed: see the record")

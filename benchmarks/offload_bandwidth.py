@@ -19,9 +19,7 @@ the same code path on the CPU whose numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _record import results_path, write_record
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -58,18 +57,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--allow-cpu", action="store_true", help="without CUDA: tiny CPU smoke run (numbers are meaningless)"
     )
     return p.parse_args(argv)
-
-
-def _versions() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "megatron_core": md.version("megatron-core"),
-        "verl_mcore_utils": md.version("verl-mcore-utils"),
-        "python": platform.python_version(),
-    }
 
 
 def _init_single_process(device: str) -> None:
@@ -286,26 +273,27 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [
         v for mode in modes.values() for r in mode.values() for k, v in r.items() if k.endswith("_ratio")
     ]
-    result = {
-        "benchmark": "offload_bandwidth",
-        "device": device_name,
-        "smoke_only": not on_gpu,
-        "versions": _versions(),
-        "config": {**config, "repeats": repeats},
-        "bytes": {kind: modes["keep_cache"][kind]["bytes"] for kind in KINDS},
-        "reference_plain_pinned_copy": reference,
-        "modes": modes,
-        "memory_check": memory,
-        "target_ratio": 0.8,
-        "min_ratio": min(ratios),
-        "min_ratio_keep_cache": min(
-            v for r in modes["keep_cache"].values() for k, v in r.items() if k.endswith("_ratio")
-        ),
-        "unix_time": int(time.time()),
-    }
-    out = args.out or Path("benchmarks/results") / f"offload_bandwidth_{_device_slug(device_name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or results_path(f"offload_bandwidth_{_device_slug(device_name)}.json")
+    write_record(
+        out,
+        benchmark="offload_bandwidth",
+        device=device_name,
+        config={**config, "repeats": repeats},
+        more_versions={"cuda": torch.version.cuda},
+        numbers={
+            "smoke_only": not on_gpu,
+            "bytes": {kind: modes["keep_cache"][kind]["bytes"] for kind in KINDS},
+            "reference_plain_pinned_copy": reference,
+            "modes": modes,
+            "memory_check": memory,
+            "target_ratio": 0.8,
+            "min_ratio": min(ratios),
+            "min_ratio_keep_cache": min(
+                v for r in modes["keep_cache"].values() for k, v in r.items() if k.endswith("_ratio")
+            ),
+            "unix_time": int(time.time()),
+        },
+    )
     for mode, per_kind in modes.items():
         for kind, r in per_kind.items():
             print(

@@ -2,7 +2,7 @@
 
     cd benchmarks && python3 profile_engine_gpu.py --out results/profile_engine_1.5b_h100.txt
 
-Same model and batch as engine_step_gpu.py (8 sequences of ``--seq`` tokens). Writes the kernel table
+Same model and batch as engine_step_gpu.py (8 sequences of ``--seq`` tokens, from ``_common``). Writes the kernel table
 (CUDA time, top 30) and the CPU-side op table, plus GPU busy time vs wall time (a gap means the GPU waits
 on the host).
 """
@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from engine_step_gpu import SHAPES, build, lengths_for, make_batch, train_step
+from _common import SHAPES, build, lengths_for, make_batch, train_step
 
 
 def main() -> None:

@@ -21,66 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
-import time
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import torch
-
-QWEN25_05B = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-
-
-def save_model(path: Path, *, layers: int) -> Path:
-    import transformers
-
-    config = transformers.Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers}, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(
-                1.0 + 0.02 * torch.randn_like(p)
-                if name.endswith("norm.weight")
-                else 0.02 * torch.randn_like(p)
-            )
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def make_batch(*, n: int, prompt: int, response: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    p_lens = torch.randint(prompt // 4, prompt + 1, (n,), generator=g).tolist()
-    r_lens = torch.randint(response // 8, response + 1, (n,), generator=g).tolist()
-    ids = torch.zeros((n, prompt + response), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, (pl, rl) in enumerate(zip(p_lens, r_lens, strict=True)):
-        ids[i, prompt - pl : prompt + rl] = torch.randint(1, vocab, (pl + rl,), generator=g)
-        mask[i, prompt - pl : prompt + rl] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": mask[:, prompt:].clone(),
-        "old_log_probs": torch.full((n, response), -11.0),
-        "ref_log_prob": torch.full((n, response), -11.0),
-        "advantages": torch.randn((n, response), generator=g),
-        "values": torch.zeros((n, response)),
-        "returns": torch.randn((n, response), generator=g),
-    }
+from _common import QWEN25_05B, rl_batch, save_model, synced
+from _record import write_record
 
 
 def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -97,14 +44,6 @@ def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor], dtype: torch.d
     del model
     torch.cuda.empty_cache()
     return out
-
-
-def timed(fn) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -124,7 +63,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp())
     model_dir = save_model(work / "qwen25_05b_shaped", layers=args.layers)
-    batch = make_batch(
+    batch = rl_batch(
         n=args.sequences, prompt=args.prompt, response=args.response, vocab=QWEN25_05B["vocab_size"], seed=0
     )
     tokens = int(batch["attention_mask"].sum())
@@ -159,7 +98,7 @@ def main() -> None:
 
     with actor.eval_mode():
         actor.infer_batch(batch)  # warm-up
-        out, infer_s = timed(lambda: actor.infer_batch(batch))
+        out, infer_s = synced(lambda: actor.infer_batch(batch))
     logp = out["model_output"]["log_probs"].float().cpu()
     engine_err = float((logp - ref32)[valid].abs().mean())
     hf_bf16_err = float((ref16 - ref32)[valid].abs().mean())
@@ -169,7 +108,7 @@ def main() -> None:
     loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     with actor.train_mode():
         actor.train_batch(batch, loss_fn)  # warm-up step (allocations, kernels)
-        step, train_s = timed(lambda: actor.train_batch(batch, loss_fn))
+        step, train_s = synced(lambda: actor.train_batch(batch, loss_fn))
     lr = actor.lr_scheduler_step()
     peak_actor = torch.cuda.max_memory_allocated() / 2**30
     actor = None  # free its memory before the critic is built
@@ -178,16 +117,12 @@ def main() -> None:
     critic = rl_engine_from_config(cfg, role="critic", device=device)
     vloss = partial(value_loss, config=cfg.critic)
     with critic.train_mode():
-        cstep, critic_s = timed(lambda: critic.train_batch(batch, vloss))
+        cstep, critic_s = synced(lambda: critic.train_batch(batch, vloss))
 
-    record = {
-        "benchmark": "rl_engine_gpu",
-        "device": torch.cuda.get_device_name(),
-        "python": platform.python_version(),
-        "versions": {
-            p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")
-        },
-        "config": {
+    record = write_record(
+        args.out,
+        benchmark="rl_engine_gpu",
+        config={
             "model": "Qwen2.5-0.5B-shaped, random weights",
             "layers": args.layers,
             "sequences": args.sequences,
@@ -195,24 +130,25 @@ def main() -> None:
             "max_token_len_per_gpu": args.max_token_len,
             "dtype": "bfloat16",
         },
-        "parity": {
-            "mean_abs_logp_err_engine_vs_hf_fp32": engine_err,
-            "max_abs_logp_err_engine_vs_hf_fp32": max_engine_err,
-            "mean_abs_logp_err_hf_bf16_vs_hf_fp32": hf_bf16_err,
-            "bound": bound,
-            "within_bound": engine_err <= bound,
+        extra_versions=("transformers",),
+        numbers={
+            "parity": {
+                "mean_abs_logp_err_engine_vs_hf_fp32": engine_err,
+                "max_abs_logp_err_engine_vs_hf_fp32": max_engine_err,
+                "mean_abs_logp_err_hf_bf16_vs_hf_fp32": hf_bf16_err,
+                "bound": bound,
+                "within_bound": engine_err <= bound,
+            },
+            "actor_step": {"loss": step["loss"], "metrics": step["metrics"], "lr_after_step": lr},
+            "critic_step": {"loss": cstep["loss"], "metrics": cstep["metrics"]},
+            "tokens_per_s": {
+                "infer_batch": tokens / infer_s,
+                "actor_train_batch": tokens / train_s,
+                "critic_train_batch": tokens / critic_s,
+            },
+            "peak_memory_gib_actor": peak_actor,
         },
-        "actor_step": {"loss": step["loss"], "metrics": step["metrics"], "lr_after_step": lr},
-        "critic_step": {"loss": cstep["loss"], "metrics": cstep["metrics"]},
-        "tokens_per_s": {
-            "infer_batch": tokens / infer_s,
-            "actor_train_batch": tokens / train_s,
-            "critic_train_batch": tokens / critic_s,
-        },
-        "peak_memory_gib_actor": peak_actor,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    )
     print(json.dumps(record, indent=2, default=float))
     if not record["parity"]["within_bound"]:
         raise SystemExit(f"engine log-probs outside the bound: {engine_err} > {bound}")

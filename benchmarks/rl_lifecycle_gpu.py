@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import torch
-from rl_engine_gpu import make_batch, save_model
+from _common import rl_batch, save_model
+from _record import save_json, write_record
 
 from verl_mcore_utils.offload import master_params
 
@@ -97,7 +96,7 @@ def run_each(names: list[str], args: argparse.Namespace) -> None:
         else:
             merged = record
     merged["config"]["process_per_variant"] = True
-    args.out.write_text(json.dumps(merged, indent=2, default=float) + "\n")
+    save_json(args.out, merged)
     if not merged["all_bounds_met"]:
         raise SystemExit("a lifecycle bound failed: see the record")
 
@@ -123,7 +122,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp())
     model_dir = save_model(work / "model", layers=args.layers)
-    batch = make_batch(n=16, prompt=256, response=512, vocab=151936, seed=0)
+    batch = rl_batch(n=16, prompt=256, response=512, vocab=151936, seed=0)
     init_parallel(device="cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     records = {}
@@ -285,23 +284,17 @@ def main() -> None:
         parallel_state.destroy_model_parallel()
         init_parallel(device="cuda")
 
-    record = {
-        "benchmark": "rl_lifecycle_gpu",
-        "device": torch.cuda.get_device_name(),
-        "python": platform.python_version(),
-        "versions": {
-            p: metadata.version(p) for p in ("torch", "megatron-core", "transformers", "verl-engine")
-        },
-        "config": {
+    record = write_record(
+        args.out,
+        benchmark="rl_lifecycle_gpu",
+        config={
             "model": "Qwen2.5-0.5B-shaped, random weights",
             "layers": args.layers,
             "dtype": "bfloat16",
         },
-        "results": records,
-        "all_bounds_met": ok,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2, default=float) + "\n")
+        extra_versions=("transformers",),
+        numbers={"results": records, "all_bounds_met": ok},
+    )
     print(json.dumps(record, indent=2, default=float))
     if not ok:
         raise SystemExit("a lifecycle bound failed: see the record")

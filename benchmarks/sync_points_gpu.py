@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from engine_step_gpu import SHAPES, build, lengths_for, make_batch, train_step
+from _common import SHAPES, build, lengths_for, make_batch, train_step
 
 
 def main() -> None:

@@ -1,0 +1,188 @@
+"""Shared pieces of the engine benchmarks: Qwen2.5-shaped models, synthetic batches, timing, engine set-up.
+
+Imported by the benchmark scripts (``from _common import ...``), which run with benchmarks/ on ``sys.path``;
+no benchmark imports another benchmark script.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+}
+
+
+def hf_config(shape: str, *, seq: int) -> dict:
+    """A Hugging Face config.json dict of one of ``SHAPES`` (the engine builds random weights from it)."""
+    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
+    return {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied,
+        "max_position_embeddings": max(seq, 4096), "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
+def lengths_for(kind: str, *, count: int, seq: int, seed: int) -> list[int]:
+    """``count`` sequence lengths: all ``seq`` (``fixed``) or log-uniform from 256 to ``seq`` (``varied``)."""
+    if kind == "fixed":
+        return [seq] * count
+    g = torch.Generator().manual_seed(seed)
+    # log-uniform from 256 to seq: many short sequences, a long tail
+    u = torch.rand(count, generator=g)
+    return [int(math.exp(math.log(256) + float(x) * (math.log(seq) - math.log(256)))) for x in u]
+
+
+def make_batch(lengths: list[int], *, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """verl's padded layout: a 64-token prompt (left-padded) and the rest as the response."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = 64
+    response = max(lengths) - prompt
+    n = len(lengths)
+    ids = torch.zeros((n, prompt + response), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, :length] = torch.randint(
+            1, vocab, (length,), generator=g
+        )  # prompt whole, response right-padded
+        mask[i, :length] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask[:, prompt:].clone(),
+        "old_log_probs": torch.full((n, response), -11.0),
+        "ref_log_prob": torch.full((n, response), -11.0),
+        "advantages": torch.randn((n, response), generator=g),
+    }
+
+
+def synced(fn):
+    """``(fn(), seconds)`` with the GPU's queue drained before and after, so the time is the work's own."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def train_step(engine, loss_fn, data, optimizer_s: list[float]):
+    """One optimizer step; the optimizer's own (synchronised) seconds are appended to ``optimizer_s``."""
+    engine.optimizer_zero_grad()
+    result = engine.forward_backward_batch(data, loss_fn, forward_only=False)
+    _, seconds = synced(engine.optimizer_step)
+    optimizer_s.append(seconds)
+    return result
+
+
+def build(
+    shape: str,
+    *,
+    seq: int,
+    fused: bool,
+    sequences: int,
+    recompute: bool = False,
+    extra: tuple[str, ...] = (),
+    max_token_len: int | None = None,
+) -> tuple:
+    """An RL engine (actor role, megatron backend, random weights) of ``shape`` from verl-config overrides.
+
+    Returns ``(engine, config)``; ``recompute`` turns on full activation recompute, ``extra`` adds overrides.
+    """
+    from verl_config import load_config
+    from verl_engine.build_rl import rl_engine_from_config
+
+    overrides = [
+        "model_engine=megatron",
+        "actor_rollout_ref.model.path=random-init",
+        f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "data.max_prompt_length=64",
+        f"data.max_response_length={seq - 64}",
+        f"data.train_batch_size={sequences}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len or seq}",
+        "actor_rollout_ref.actor.optim.total_training_steps=100",
+        "actor_rollout_ref.actor.entropy_coeff=0.001",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+    ]
+    if recompute:  # megatron-core's full activation recompute, one layer per checkpoint
+        mc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+        overrides += [
+            f"{mc}.recompute_granularity=full",
+            f"{mc}.recompute_method=uniform",
+            f"{mc}.recompute_num_layers=1",
+        ]
+    cfg = load_config(overrides=[*overrides, *extra])
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine = rl_engine_from_config(cfg, role="actor", device=device, hf_config=hf_config(shape, seq=seq))
+    return engine, cfg
+
+
+QWEN25_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def save_model(path: Path, *, layers: int, extra: dict | None = None, small_init: bool = True) -> Path:
+    """A random Qwen2.5-0.5B-shaped checkpoint (``layers`` decoder layers) saved with save_pretrained.
+
+    ``extra`` adds config.json keys (e.g. ``num_nextn_predict_layers``); ``small_init`` redraws every
+    weight as N(0, 0.02) and every norm as 1 + N(0, 0.02), else transformers' own initialisation is kept.
+    """
+    import transformers
+
+    shape = {**QWEN25_05B, "num_hidden_layers": layers, **(extra or {})}
+    config = transformers.Qwen2Config(**shape, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if small_init:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(
+                    1.0 + 0.02 * torch.randn_like(p)
+                    if name.endswith("norm.weight")
+                    else 0.02 * torch.randn_like(p)
+                )
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def rl_batch(*, n: int, prompt: int, response: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(prompt // 4, prompt + 1, (n,), generator=g).tolist()
+    r_lens = torch.randint(response // 8, response + 1, (n,), generator=g).tolist()
+    ids = torch.zeros((n, prompt + response), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, (pl, rl) in enumerate(zip(p_lens, r_lens, strict=True)):
+        ids[i, prompt - pl : prompt + rl] = torch.randint(1, vocab, (pl + rl,), generator=g)
+        mask[i, prompt - pl : prompt + rl] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask[:, prompt:].clone(),
+        "old_log_probs": torch.full((n, response), -11.0),
+        "ref_log_prob": torch.full((n, response), -11.0),
+        "advantages": torch.randn((n, response), generator=g),
+        "values": torch.zeros((n, response)),
+        "returns": torch.randn((n, response), generator=g),
+    }

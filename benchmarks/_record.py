@@ -1,0 +1,126 @@
+"""The one way a benchmark writes its JSON record: what ran, where, on which versions and commit, and its numbers.
+
+Every record carries the same common keys (``benchmark``, ``device``, ``versions``, ``config``, ``commit``,
+``date``) so that a number in docs/benchmarks.md can be traced to the machine and code that produced it; the
+benchmark's own keys sit beside them at the top level, as they always have.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# python, torch and megatron-core, then every package of this workspace.
+COMMON_KEYS = frozenset({"benchmark", "device", "versions", "config", "commit", "date"})
+PACKAGES = (
+    "torch",
+    "megatron-core",
+    "verl-config",
+    "verl-mcore-utils",
+    "verl-dyncp",
+    "verl-mfsdp",
+    "verl-engine",
+)
+
+
+def results_path(name: str) -> Path:
+    """``benchmarks/results/<name>``, wherever the script is run from (for default ``--out`` paths)."""
+    return RESULTS / name
+
+
+def versions(extra: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """Python's version and each installed distribution's (None where it is not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in (*PACKAGES, *extra):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_name() -> str:
+    """The CUDA device's name where the benchmark uses torch on a GPU, else the CPU's.
+
+    torch is only looked at when the benchmark already imported it: a CPU benchmark of verl-config
+    must not pay for (or need) torch.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU: {platform.processor() or platform.machine()}"
+
+
+def commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes); ``BENCH_COMMIT`` where there is no git.
+
+    GPU runs happen on a copy of the working tree without ``.git``: the launcher passes the commit in.
+    """
+    root = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if sha is None:
+        return os.environ.get("BENCH_COMMIT")
+    return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def save_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON (tensors / numpy scalars as floats, paths as strings)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def write_record(
+    out: str | Path,
+    *,
+    benchmark: str,
+    config: dict[str, Any],
+    numbers: dict[str, Any],
+    device: Any = None,
+    extra_versions: tuple[str, ...] = (),
+    more_versions: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write one run's record to ``out`` and return it.
+
+    ``numbers`` (what was measured) keeps its keys at the top level; ``device`` defaults to
+    :func:`device_name`; ``extra_versions`` names more distributions to record, ``more_versions`` adds
+    versions that are not distributions (CUDA, cuDNN).
+    """
+    clash = COMMON_KEYS & numbers.keys()
+    if clash:
+        raise ValueError(f"numbers must not set the common keys {sorted(clash)}")
+    record = {
+        "benchmark": benchmark,
+        "device": device_name() if device is None else device,
+        "versions": {**versions(extra_versions), **(more_versions or {})},
+        "config": config,
+        **numbers,
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    save_json(out, record)
+    return record
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)

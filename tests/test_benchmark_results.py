@@ -1,0 +1,45 @@
+"""scripts/check_benchmark_results.py: docs/benchmarks.md names every file under benchmarks/results/."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_benchmark_results as cbr  # noqa: E402
+
+
+def test_every_results_file_is_named_by_the_doc() -> None:
+    assert cbr.main() == 0, f"not named by docs/benchmarks.md: {cbr.unnamed()}"
+
+
+def test_a_name_counts_only_as_a_whole_file_name(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    (results / "logs").mkdir(parents=True)
+    for name in ("run.json", "run_repeat.json", "logs/a.log", "b.txt"):
+        (results / name).write_text("{}")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("Raw: `benchmarks/results/run_repeat.json`, results/logs/a.log. The b.txt.gz archive.\n")
+    assert cbr.unnamed(results=results, doc=doc) == ["b.txt", "run.json"]
+
+
+def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _record
+
+    out = tmp_path / "results" / "x.json"
+    record = _record.write_record(
+        out, benchmark="x", config={"n": 1}, numbers={"tokens_per_s": 2.5}, device="test device"
+    )
+    assert json.loads(out.read_text()) == record
+    assert set(record) == _record.COMMON_KEYS | {"tokens_per_s"}
+    assert record["device"] == "test device"
+    assert record["versions"]["python"] == platform.python_version()
+    with pytest.raises(ValueError, match="common keys"):
+        _record.write_record(out, benchmark="x", config={}, numbers={"device": "clash"})
