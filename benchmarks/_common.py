@@ -97,7 +97,7 @@ def build(
     Returns ``(engine, config)``; ``recompute`` turns on full activation recompute, ``extra`` adds overrides.
     """
     from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.build import rl_engine_from_config
 
     overrides = [
         "model_engine=megatron",

@@ -105,7 +105,7 @@ def main() -> None:
             "runs": runs,
         },
     )
-    from verl_engine.grpo_plot import plot_grpo_seeds
+    from verl_engine.apps.grpo_plot import plot_grpo_seeds
 
     series = {r["seed"]: [{"step": 0, "eval_accuracy": r["eval"][0]}, *r["records"]] for r in runs}
     plot_grpo_seeds(

@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.build import rl_engine_from_config
     from verl_engine.losses import ppo_loss, value_loss
     from verl_mcore_utils.parallel import init_parallel
 

@@ -116,7 +116,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.build import rl_engine_from_config
     from verl_engine.losses import ppo_loss
     from verl_mcore_utils.parallel import init_parallel
 

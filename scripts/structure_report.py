@@ -165,7 +165,9 @@ def analyse(root: Path) -> dict:
 def floor(module: str) -> int:
     """The floor of a module: its package's, doubled so verl_engine.apps can sit half a floor above the core."""
     level = 2 * FLOORS[module.split(".")[0]]
-    return level + 1 if module == APPS or module.startswith(APPS + ".") else level
+    # a package's ``__main__`` is an entry point (``python -m``): nothing imports it, it may start the apps
+    entry = module.endswith(".__main__")
+    return level + 1 if entry or module == APPS or module.startswith(APPS + ".") else level
 
 
 def runs_back_up(src: str, dst: str) -> bool:

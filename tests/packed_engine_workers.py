@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sft_engine_ops as ops
 import torch
 
 VOCAB = 256
@@ -31,9 +32,11 @@ def packed_batch(lengths: tuple[int, ...], *, seed: int, masked: bool = False) -
 def _engine(
     device: str, overrides: list[str], max_tokens_per_rank: int | None, ckpt: str | None = None
 ) -> Any:
+    from megatron.core import parallel_state
+
     from verl_config import SFTConfig, load_config
-    from verl_engine.engine import build_engine
-    from verl_engine.packed import cp_layout_from_config
+    from verl_engine.build import build_rl_engine
+    from verl_engine.micro_batching import MicroBatching
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.presets import qwen2_preset
 
@@ -41,23 +44,22 @@ def _engine(
         SFTConfig,
         overrides=["model.preset=tiny", "optim.lr_warmup_steps=0", "optim.clip_grad=0", *overrides],
     )
-    from megatron.core import parallel_state
-
-    from verl_mcore_utils.parallel import ParallelDims
-
-    if parallel_state.model_parallel_is_initialized():  # several engines in one process group
-        dims = ParallelDims(
-            world_size=torch.distributed.get_world_size(),
-            tp=parallel_state.get_tensor_model_parallel_world_size(),
-        )
-    else:  # CP lives in verl-dyncp's groups, not in megatron's state
-        dims = init_parallel(
-            tensor_model_parallel_size=cfg.megatron.tensor_model_parallel_size, device=device
-        )
+    if not parallel_state.model_parallel_is_initialized():  # CP lives in verl-dyncp's groups
+        init_parallel(tensor_model_parallel_size=cfg.megatron.tensor_model_parallel_size, device=device)
     hf = qwen2_preset(cfg.model.preset, vocab_size=VOCAB, **cfg.model.override_config)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    layout = cp_layout_from_config(cfg.megatron, max_tokens_per_rank=max_tokens_per_rank)
-    engine = build_engine(cfg, hf_config=hf, dims=dims, device=dev, cp_layout=layout)
+    engine = build_rl_engine(
+        engine=cfg.megatron,
+        model_path=None,
+        optim=cfg.optim,
+        micro_batching=MicroBatching(
+            use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens_per_rank or 1 << 30
+        ),
+        device=dev,
+        hf_config=hf,
+        total_training_steps=cfg.trainer.total_training_steps,
+        fused_lm_head=cfg.model.use_fused_kernels,
+    )
     if ckpt is not None:
         # Seeded initialisation is identical for every DP / CP layout but not across TP sizes on every
         # megatron-core release (0.14 initialises TP shards differently), so TP runs load the reference's
@@ -80,18 +82,18 @@ def packed_run(
     """Log-probs of batch 0, then one optimizer step per batch; gradients and log-probs of step 1."""
     engine, cfg = _engine(device, overrides, max_tokens_per_rank, ckpt)
     data = [packed_batch(lens, seed=seed, masked=masked) for lens, seed, masked in batches]
-    logp = engine.compute_log_probs(data[0]).cpu()
+    logp = ops.log_probs(engine, data[0])
     losses, grads, plans = [], None, []
     for step, batch in enumerate(data):
         plans.append(_plan_summary(engine, batch))
-        loss, tokens = engine.compute_gradients_packed(batch)
-        if step == 0 and engine.dims.tp == 1:  # under TP each rank holds its own shards
-            grads = engine.named_gradients()
-        engine.set_lr(cfg.optim.lr)
+        loss, tokens = ops.gradients(engine, batch)
+        if step == 0 and engine.tp_size == 1:  # under TP each rank holds its own shards
+            grads = ops.named_gradients(engine)
+        ops.set_lr(engine, cfg.optim.lr)
         engine.optimizer_step()
         losses.append(loss)
-    logp_after = engine.compute_log_probs(data[0]).cpu()
-    return {
+    logp_after = ops.log_probs(engine, data[0])
+    out = {
         "losses": losses,
         "tokens": tokens,
         "grads": grads,
@@ -105,6 +107,8 @@ def packed_run(
             {type(m).__name__ for n, m in engine.model.named_modules() if n.endswith("core_attention")}
         ),
     }
+    engine.close()
+    return out
 
 
 def packed_runs(
@@ -122,8 +126,7 @@ def packed_runs(
 def _plan_summary(engine: Any, batch: Any) -> list[tuple[int, ...]]:
     """The CP size(s) of every micro-batch of ``batch`` (what the planner chose)."""
     return [
-        tuple(sorted({b.size for b in mb.plan.blocks}, reverse=True))
-        for _, mb, _ in engine._prepare_packed(batch)
+        tuple(sorted({b.size for b in p.split.plan.blocks}, reverse=True)) for p in ops.plans(engine, batch)
     ]
 
 
@@ -133,7 +136,8 @@ def _merged_positions(engine: Any, batch: Any) -> list[int]:
 
     out: list[int] = [0] * sum(batch.seq_lens)
     cu = batch.cu_seqlens
-    for indices, mb, _ in engine._prepare_packed(batch):
+    for p in ops.plans(engine, batch):
+        indices, mb = p.indices, p.split
         merged = dynamic_cp_merge_output(
             mb.batch.position_ids.to(engine.device), micro_batch=mb, groups=engine.cp_groups
         ).tolist()
@@ -162,11 +166,11 @@ def packed_errors(
     for lengths_by_rank in cases:
         batch = packed_batch(lengths_by_rank[rank % len(lengths_by_rank)], seed=5)
         try:
-            engine.compute_gradients_packed(batch)
+            ops.gradients(engine, batch)
             messages.append("no error")
         except ValueError as err:
             messages.append(str(err))
-    loss, _ = engine.compute_gradients_packed(packed_batch((9, 4), seed=1))
+    loss, _ = ops.gradients(engine, packed_batch((9, 4), seed=1))
     messages.append(f"then trained: {loss:.4f}")
     return messages
 

@@ -65,7 +65,7 @@ def _engine(
     from megatron.core import parallel_state
 
     from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.build import rl_engine_from_config
     from verl_mcore_utils.parallel import init_parallel
 
     cfg = load_config(overrides=[*BASE, f"actor_rollout_ref.model.path={model_dir}", *overrides])
@@ -210,7 +210,7 @@ def pipeline_layouts(
     weights under their Hugging Face names (gathered over TP and PP, so layouts compare name by name)."""
     from functools import partial
 
-    from verl_engine.build_rl import load_hf_config
+    from verl_engine.build import load_hf_config
     from verl_engine.losses import ppo_loss
     from verl_mcore_utils.weights import export_hf_weights
 
@@ -588,8 +588,8 @@ def rollout_round_trip(
     import json
     from pathlib import Path
 
-    from verl_engine.grpo import rollout_batch
-    from verl_engine.rollout import HFRollout, SamplingParams
+    from verl_engine.apps.grpo import rollout_batch
+    from verl_engine.apps.rollout import HFRollout, SamplingParams
 
     engine, _ = _engine(["trainer.n_gpus_per_node=1"], "actor", model_dir, "cpu")
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -635,9 +635,9 @@ def grpo_run(
 
     import torch
 
-    from verl_engine.demo import CharTokenizer
-    from verl_engine.grpo_run import GRPORun, InProcessWorkers, run_grpo, tiny_arithmetic_hf_config
-    from verl_engine.rollout import HFRollout
+    from verl_engine.apps.demo import CharTokenizer
+    from verl_engine.apps.grpo_run import GRPORun, InProcessWorkers, run_grpo, tiny_arithmetic_hf_config
+    from verl_engine.apps.rollout import HFRollout
 
     if threads is not None:
         torch.set_num_threads(threads)

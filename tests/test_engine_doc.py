@@ -43,15 +43,15 @@ def test_documented_ppo_step_runs(model_dir: str, world: int) -> None:
     for got in results:
         m = got["metrics"]
         for key in (
-            "pg_loss",
-            "pg_clipfrac",
-            "ppo_kl",
-            "kl_loss",
-            "grad_norm",
+            "actor/pg_loss",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+            "actor/kl_loss",
+            "actor/grad_norm",
             "critic/vf_loss",
             "critic/grad_norm",
         ):
             assert key in m and m[key] == m[key], key  # present, not NaN
-        assert m["grad_norm"] > 0 and m["critic/grad_norm"] > 0
+        assert m["actor/grad_norm"] > 0 and m["critic/grad_norm"] > 0
         assert got["actor_lr"] > 0 and got["critic_lr"] > 0
     assert results[0]["metrics"] == results[-1]["metrics"]  # every rank reports the same

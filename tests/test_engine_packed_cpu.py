@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from engine_workers import max_rel_err
 from packed_engine_workers import hf_log_probs, packed_errors, packed_run, packed_runs, save_engine_weights
@@ -140,13 +139,3 @@ def test_bad_batches_are_clear_errors_on_every_rank() -> None:
         assert "different packed batches" in mismatch, mismatch
         assert after.startswith("then trained")
     assert len({tuple(m) for m in results}) == 1  # the same errors everywhere
-
-
-def test_engine_refuses_cp_without_packed_layout() -> None:
-    from verl_config import SFTConfig, load_config
-    from verl_engine.engine import build_engine
-    from verl_mcore_utils.parallel import ParallelDims
-
-    cfg = load_config(SFTConfig, overrides=["model.preset=tiny", "megatron.context_parallel_size=2"])
-    with pytest.raises(ValueError, match="cp_layout"):
-        build_engine(cfg, hf_config={}, dims=ParallelDims(world_size=2, cp=2), device=torch.device("cpu"))

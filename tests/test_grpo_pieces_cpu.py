@@ -17,8 +17,8 @@ import pytest
 import torch
 from rl_engine_workers import rollout_round_trip, transformers_log_probs
 
-from verl_engine.grpo import grpo_outcome_advantage, rollout_batch
-from verl_engine.rollout import HFRollout, RolloutEngine, SamplingParams
+from verl_engine.apps.grpo import grpo_outcome_advantage, rollout_batch
+from verl_engine.apps.rollout import HFRollout, RolloutEngine, SamplingParams
 from verl_mcore_utils.testing import run_distributed
 
 

@@ -1,4 +1,4 @@
-"""The GRPO loop (``verl_engine.grpo_run``) end to end on CPU: the embedded arithmetic task, a real actor and
+"""The GRPO loop (``verl_engine.apps.grpo_run``) end to end on CPU: the embedded arithmetic task, a real actor and
 reference engine, the transformers rollout engine.
 
 * Invariants per step: GRPO advantages have zero mean in every group; the KL to the reference is exactly 0 at the
@@ -63,7 +63,7 @@ def test_grpo_loop_invariants_exact_resume_and_offload(tmp_path: Path) -> None:
     assert all(r["advantage_group_mean_abs_max"] < 1e-6 for r in records)
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["response_length"] > 0 for r in records)
     assert all(r["offload"] is False and r["memory_gib"] is None for r in records)
-    assert all(r["entropy"] > 0 and 0 <= r["pg_clipfrac"] <= 1 for r in records)
+    assert all(r["entropy"] > 0 and 0 <= r["actor/pg_clipfrac"] <= 1 for r in records)
     assert set(records[0]["seconds"]) == {"sync", "generate", "old_log_prob", "ref_log_prob", "train", "step"}
     assert set(straight["eval"]) == {0, 3, 6}
     assert straight["sync_names"] and straight["sync_mismatches"] == []
@@ -125,7 +125,7 @@ def _char_model_dir(path: Path) -> str:
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from verl_engine.grpo_run import tiny_arithmetic_hf_config
+    from verl_engine.apps.grpo_run import tiny_arithmetic_hf_config
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("0123456789+-*=")}}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -175,7 +175,7 @@ def test_grpo_on_a_hugging_face_model_directory(tmp_path: Path) -> None:
 
 
 def test_grpo_command_line(capsys, tmp_path: Path) -> None:
-    from verl_engine.cli import main
+    from verl_engine.apps.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["grpo", "--help"])
@@ -238,7 +238,7 @@ def test_two_data_parallel_ranks_give_the_one_rank_run(tmp_path: Path) -> None:
     for step, (a, b) in enumerate(zip(one["records"], two["records"], strict=True), start=1):
         assert a["reward_mean"] == b["reward_mean"], step
         tol = 1e-5 if step == 1 else 1e-3
-        for key in ("pg_loss", "grad_norm", "kl", "entropy"):
+        for key in ("actor/pg_loss", "grad_norm", "kl", "entropy"):
             assert abs(a[key] - b[key]) <= tol * abs(a[key]) + 1e-7, (step, key, a[key], b[key])
 
 

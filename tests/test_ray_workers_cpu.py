@@ -1,4 +1,4 @@
-"""The Ray launch path (``verl_engine.ray_workers``) on CPU: real Ray, real engines, gloo.
+"""The Ray launch path (``verl_engine.apps.ray_workers``) on CPU: real Ray, real engines, gloo.
 
 * A local Ray instance runs DP 2 PPO training through ``RayWorkerGroup`` (actor and reference colocated on the
   same two actors) and gets the losses of the same training under the multiprocess launcher (torchrun's
@@ -23,7 +23,7 @@ import pytest
 import torch
 from rl_engine_workers import BASE, checkpoint_run, grpo_run, verl_batch
 
-from verl_engine.ray_workers import RayWorkerGroup, WorkerGroupError
+from verl_engine.apps.ray_workers import RayWorkerGroup, WorkerGroupError
 from verl_mcore_utils.testing import run_distributed
 
 pytestmark = pytest.mark.above_engine
@@ -104,7 +104,7 @@ def test_two_nodes_get_one_rank_each(tmp_path) -> None:
 
 
 def test_ray_grpo_loop_matches_torchrun_dp2(tmp_path, local_ray) -> None:
-    from verl_engine.grpo_run import GRPORun, RayWorkers, run_grpo
+    from verl_engine.apps.grpo_run import GRPORun, RayWorkers, run_grpo
 
     overrides = [
         "trainer.n_gpus_per_node=2",

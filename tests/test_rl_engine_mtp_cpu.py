@@ -165,7 +165,7 @@ def test_old_gating_of_the_mtp_reduction_hangs_and_ours_finishes(model_dir: str)
 
 def test_mtp_on_a_model_without_mtp_layers_is_named(tmp_path) -> None:
     from verl_config import load_config
-    from verl_engine.build_rl import rl_engine_from_config
+    from verl_engine.build import rl_engine_from_config
     from verl_mcore_utils.hf_testing import save_tiny_hf_model
 
     path = save_tiny_hf_model("qwen2", tmp_path / "plain", seed=1)

@@ -47,7 +47,7 @@ def _same(got: dict, ref: dict, what: str) -> None:
     for key in ("log_probs", "entropy", "step_log_probs"):
         assert rel_err(got[key], ref[key]) < 1e-5, (what, key, rel_err(got[key], ref[key]))
     assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]) + 1e-7, (what, got["loss"], ref["loss"])
-    for name in ("pg_loss", "grad_norm", "entropy"):
+    for name in ("actor/pg_loss", "grad_norm", "actor/entropy_loss"):
         a, b = got["metrics"][name], ref["metrics"][name]
         assert abs(a - b) <= 1e-5 * abs(b) + 1e-7, (what, name, a, b)
     assert got["params"].keys() == ref["params"].keys(), what

@@ -78,7 +78,7 @@ def test_context_parallel_training_follows_padded_single_process(
     single = padded_8_steps
     packed = run_distributed(run_train, world_size=2, args=([*_overrides(tmp_path, "cp"), *steps, *cp],))
     summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
-    assert "CP" in summary["engine"]["packed"], summary["engine"]
+    assert "CP" in summary["engine"]["cp_layout"], summary["engine"]
     for step, (a, b) in enumerate(zip(single["losses"], packed[0]["losses"], strict=True)):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
     assert packed[1]["last_loss"] == packed[0]["last_loss"]

@@ -10,7 +10,7 @@ from typing import Any
 
 def run_train(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
     from verl_config import SFTConfig, load_config
-    from verl_engine.trainer import train
+    from verl_engine.apps.sft import train
 
     cfg = load_config(SFTConfig, overrides=overrides)
     summary = train(cfg)

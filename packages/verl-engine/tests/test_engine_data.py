@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from verl_config import ConfigKeyError
-from verl_engine.cli import main as engine_main
-from verl_engine.cli import parse_train_args
-from verl_engine.demo import ArithmeticDataset, CharTokenizer
-from verl_engine.engine import lr_at_step
+from verl_engine.apps.cli import main as engine_main
+from verl_engine.apps.cli import parse_train_args
+from verl_engine.apps.demo import ArithmeticDataset, CharTokenizer
 
 
 def test_batches_are_deterministic_and_step_dependent() -> None:
     ds = ArithmeticDataset(seq_length=64, seed=3)
     a, b = ds.global_batch(step=5, batch_size=4), ds.global_batch(step=5, batch_size=4)
-    assert torch.equal(a.input_ids, b.input_ids)
-    assert not torch.equal(a.input_ids, ds.global_batch(step=6, batch_size=4).input_ids)
-    assert a.input_ids.shape == a.labels.shape == a.loss_mask.shape == a.position_ids.shape == (4, 64)
-    assert torch.equal(a.input_ids[:, 1:], a.labels[:, :-1])  # labels are the next tokens
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert not torch.equal(a["input_ids"], ds.global_batch(step=6, batch_size=4)["input_ids"])
+    # verl's layout: <bos> as the prompt, the problems as the right-padded response
+    assert a["input_ids"].shape == a["attention_mask"].shape == (4, 65)
+    assert a["response_mask"].shape == (4, 64)
+    assert (a["input_ids"][:, 0] == CharTokenizer().bos_id).all()
 
 
 def test_loss_mask_covers_exactly_the_answers() -> None:
@@ -26,36 +27,33 @@ def test_loss_mask_covers_exactly_the_answers() -> None:
     batch = ArithmeticDataset(seq_length=48, seed=0, tokenizer=tok).global_batch(step=0, batch_size=2)
     eq, nl = tok.stoi["="], tok.stoi["\n"]
     for row in range(2):
-        ids = batch.input_ids[row].tolist()
-        for t, masked in enumerate(batch.loss_mask[row].tolist()):
+        ids = batch["input_ids"][row].tolist()
+        for t, masked in enumerate(batch["response_mask"][row].tolist()):  # response token t = ids[t + 1]
             last_eq = max((i for i, x in enumerate(ids[: t + 1]) if x == eq), default=-1)
             last_nl = max((i for i, x in enumerate(ids[: t + 1]) if x == nl), default=-1)
-            assert bool(masked) == (last_eq > last_nl), (
-                f"row {row} position {t}"
-            )  # label is part of an answer
-        text = tok.decode([*ids, batch.labels[row, -1].item()])
+            assert bool(masked) == (last_eq > last_nl and ids[t + 1] != tok.pad_id), f"row {row} position {t}"
+        text = tok.decode(ids)
         for line in filter(None, text.split("\n")):
             lhs, rhs = line.split("=")
             assert eval(lhs) == int(rhs)  # the data is correct arithmetic
-        assert batch.loss_mask[row].sum() > 0
+        assert batch["response_mask"][row].sum() > 0
+        valid = batch["attention_mask"][row].bool()
+        assert valid[: int(valid.sum())].all()  # one contiguous run of valid tokens
 
 
-def test_shard_and_micro_batches() -> None:
-    batch = ArithmeticDataset(seq_length=32, seed=0).global_batch(step=0, batch_size=8)
-    shards = [batch.shard(rank=r, num_shards=2) for r in range(2)]
-    assert torch.equal(torch.cat([s.input_ids for s in shards]), batch.input_ids)
-    assert [mb.batch_size for mb in shards[0].micro_batches(2)] == [2, 2]
-    with pytest.raises(ValueError, match="not divisible by micro batch size 3"):
-        shards[0].micro_batches(3)
+def test_lr_schedule_of_the_sft_section() -> None:
+    """`verl-engine train` uses the engine's one schedule (megatron-core's rule, as verl's Megatron engine)."""
+    from verl_config import SFTConfig, load_config
+    from verl_engine.lr_schedule import lr_schedule_from_config
 
-
-def test_lr_schedule() -> None:
-    kw = {"total_steps": 100, "lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}
-    assert lr_at_step(0, style="cosine", **kw) == pytest.approx(0.1)
-    assert lr_at_step(9, style="cosine", **kw) == pytest.approx(1.0)
-    assert lr_at_step(100, style="cosine", **kw) == pytest.approx(0.1)
-    assert lr_at_step(55, style="linear", **kw) == pytest.approx(0.55)
-    assert lr_at_step(80, style="constant", **kw) == 1.0
+    optim = load_config(
+        SFTConfig, overrides=["optim.lr=1.0", "optim.min_lr=0.1", "optim.lr_warmup_steps=10"]
+    ).optim
+    schedule = lr_schedule_from_config(optim, total_training_steps=100)
+    assert schedule.lr_at(0) == pytest.approx(0.0)  # megatron-core's warm-up starts at lr_warmup_init
+    assert schedule.lr_at(5) == pytest.approx(0.5)
+    assert schedule.lr_at(10) == pytest.approx(1.0)
+    assert schedule.lr_at(100) == pytest.approx(0.1)
 
 
 def test_cli_flags_map_to_config_keys() -> None:

@@ -22,6 +22,7 @@ from verl_engine.losses import (
     KL_PENALTIES,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    PolicyTerms,
     agg_loss,
     get_policy_loss_fn,
     kl_penalty,
@@ -30,6 +31,7 @@ from verl_engine.losses import (
     sft_loss,
     value_loss,
 )
+from verl_engine.metrics import Metric, Reduction
 
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 DT = torch.float64
@@ -223,6 +225,13 @@ def ref_kl(lp: Scalar, ref: float, kind: str) -> Scalar:
     return clip(torch.exp(torch.as_tensor(k, dtype=DT)) - k - 1.0, -10.0, 10.0)
 
 
+def mv(metrics: dict[str, Any], name: str) -> float:
+    """A metric's value as a float (losses return :class:`Metric` objects holding device tensors)."""
+    item = metrics[name]
+    assert isinstance(item, Metric), f"{name} is not a Metric: {item!r}"
+    return float(item.value)
+
+
 def assert_close(a: torch.Tensor | float, b: torch.Tensor | float) -> None:
     """1e-6 absolute + relative, float64."""
     torch.testing.assert_close(torch.as_tensor(a, dtype=DT), torch.as_tensor(b, dtype=DT), **TOL)
@@ -308,16 +317,28 @@ def test_ppo_loss_matches_reference(loss_mode: str, agg_mode: str) -> None:
     assert_close(loss, want)
     for g_got, g_want in zip(grads(loss, lp, ent), grads(want, lp, ent), strict=True):
         assert_close(g_got, g_want)
-    assert_close(metrics["pg_loss"], ref_pg)
-    assert_close(metrics["entropy"], ref_ent)
-    assert_close(metrics["kl_loss"], ref_kl_loss)
-    assert metrics["kl_coef"] == cfg.kl_loss_coef
-    assert set(metrics) >= {"pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"}
+    assert_close(mv(metrics, "actor/pg_loss"), ref_pg)
+    assert_close(mv(metrics, "actor/entropy_loss"), ref_ent)
+    assert_close(mv(metrics, "actor/kl_loss"), ref_kl_loss)
+    assert mv(metrics, "actor/kl_coef") == cfg.kl_loss_coef
+    assert set(metrics) == {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy_loss",
+        "actor/kl_loss",
+        "actor/kl_coef",
+    }
+    for name in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"):
+        assert metrics[name].reduction is Reduction.SUM  # a share of the global loss
+    for name in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_coef"):
+        assert metrics[name].reduction is Reduction.MEAN
     tokens = [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
     bound = math.inf if loss_mode == "gspo" else 20.0  # verl clamps the log ratio except in GSPO
     log_ratios = [float(batch["log_probs"][i, t] - batch["old_log_probs"][i, t]) for i, t in tokens]
     ppo_kl = -sum(clip(d, -bound, bound) for d in log_ratios) / len(tokens)
-    assert_close(metrics["ppo_kl"], ppo_kl)
+    assert_close(mv(metrics, "actor/ppo_kl"), ppo_kl)
 
 
 def ref_clip_fractions(batch: dict[str, Any], cfg: SimpleNamespace) -> tuple[float, float]:
@@ -349,8 +370,8 @@ def test_vanilla_clip_fractions_are_active_and_match() -> None:
     _, metrics = ppo_loss(config=cfg, model_output=model_output, data=data)
     clipfrac, lower = ref_clip_fractions(batch, cfg)
     assert clipfrac > 0 and lower > 0
-    assert_close(metrics["pg_clipfrac"], clipfrac)
-    assert_close(metrics["pg_clipfrac_lower"], lower)
+    assert_close(mv(metrics, "actor/pg_clipfrac"), clipfrac)
+    assert_close(mv(metrics, "actor/pg_clipfrac_lower"), lower)
 
 
 def test_gspo_ignores_loss_agg_mode() -> None:
@@ -361,7 +382,7 @@ def test_gspo_ignores_loss_agg_mode() -> None:
         model_output, data = actor_io(
             batch, slice(None), log_probs=batch["log_probs"], entropy=batch["entropy"], **whole_counts(batch)
         )
-        out[mode] = ppo_loss(config=cfg, model_output=model_output, data=data)[1]["pg_loss"]
+        out[mode] = ppo_loss(config=cfg, model_output=model_output, data=data)[1]["actor/pg_loss"].value
     assert out["token-mean"] == out["seq-mean-token-mean"]
 
 
@@ -385,19 +406,13 @@ def test_ppo_loss_with_verl_config_and_tensordict() -> None:
     want = ref_agg(token_fn, batch["response_mask"], "token-mean")  # entropy_coeff 0, no KL loss by default
     assert_close(loss, want)
     assert_close(grads(loss, lp)[0], grads(want, lp)[0])
-    assert "kl_loss" not in metrics and "entropy" in metrics
+    assert "actor/kl_loss" not in metrics and "actor/entropy_loss" in metrics
 
 
 def test_custom_policy_loss_is_selected_by_loss_mode() -> None:
     @register_policy_loss("test_double_pg")
-    def double_pg(*, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, **_):
-        loss = agg_loss(
-            loss_mat=-2.0 * log_prob * advantages,
-            loss_mask=response_mask,
-            loss_agg_mode=loss_agg_mode,
-            **agg_kwargs,
-        )
-        return loss, {"custom": 1.0}
+    def double_pg(*, log_prob, advantages, **_):
+        return PolicyTerms(losses=-2.0 * log_prob * advantages, log_ratio=torch.zeros_like(log_prob))
 
     assert POLICY_LOSSES["test_double_pg"] is double_pg and get_policy_loss_fn("test_double_pg") is double_pg
     batch = make_batch(seed=6)
@@ -408,17 +423,10 @@ def test_custom_policy_loss_is_selected_by_loss_mode() -> None:
         batch, slice(None), log_probs=batch["log_probs"], entropy=batch["entropy"], **whole_counts(batch)
     )
     loss, metrics = ppo_loss(config=cfg, model_output=model_output, data=data)
-    gpg = get_policy_loss_fn("gpg")
-    plain, _ = gpg(
-        old_log_prob=batch["old_log_probs"],
-        log_prob=batch["log_probs"],
-        advantages=batch["advantages"],
-        response_mask=batch["response_mask"],
-        loss_agg_mode="token-mean",
-        config=cfg,
-        agg_kwargs={},
-    )
-    assert metrics["custom"] == 1.0
+    cfg_gpg = actor_config(policy_loss=SimpleNamespace(loss_mode="gpg"), use_kl_loss=False, entropy_coeff=0)
+    plain, _ = ppo_loss(config=cfg_gpg, model_output=model_output, data=data)
+    # the skeleton reports for every mode: no clip -> fractions 0, the mode's log ratio -> ppo_kl
+    assert mv(metrics, "actor/pg_clipfrac") == 0.0 and mv(metrics, "actor/ppo_kl") == 0.0
     assert_close(loss, 2.0 * plain)
 
 
@@ -493,9 +501,9 @@ def test_value_loss_matches_reference(agg_mode: str) -> None:
         for i, t in tokens
     ]
     assert any(clipped)
-    assert_close(metrics["vf_clipfrac"], sum(further) / len(tokens))
-    assert_close(metrics["vpred_mean"], sum(float(vpred[i, t]) for i, t in tokens) / len(tokens))
-    assert_close(metrics["vf_loss"], want)
+    assert_close(mv(metrics, "critic/vf_clipfrac"), sum(further) / len(tokens))
+    assert_close(mv(metrics, "critic/vpred_mean"), sum(float(vpred[i, t]) for i, t in tokens) / len(tokens))
+    assert_close(mv(metrics, "critic/vf_loss"), want)
 
 
 def test_sft_loss_matches_reference() -> None:
@@ -657,7 +665,7 @@ def test_all_zero_mask_gives_zero_loss(kind: str, agg_mode: str) -> None:
     for counts in ({"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None}, whole_counts(batch)):
         loss, metrics = run_loss(kind, batch, slice(None), agg_mode, **counts)
         assert float(loss.detach()) == 0.0 and loss.requires_grad
-        assert all(math.isfinite(v) for v in metrics.values())
+        assert all(math.isfinite(mv(metrics, k)) for k in metrics)
         for g in grads(loss, *inputs):
             assert torch.isfinite(g).all() and (g == 0).all()
 
@@ -713,7 +721,7 @@ def test_kl_reward_penalty_subtracts_the_masked_kl_from_the_scores() -> None:
             expected = scores[i, t] - 0.1 * (old[i, t] - ref[i, t]) if mask[i, t] else 0.0
             assert abs(float(rewards[i, t]) - float(expected)) < 1e-12
     kls = [float(old[i, t] - ref[i, t]) for i in range(3) for t in range(5) if mask[i, t]]
-    assert abs(metrics["kl"] - sum(kls) / len(kls)) < 1e-12
+    assert abs(float(metrics["kl"].value) - sum(kls) / len(kls)) < 1e-12
     with pytest.raises(ValueError, match="old_log_prob has shape"):
         kl_reward_penalty(
             token_level_scores=scores,

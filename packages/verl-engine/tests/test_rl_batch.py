@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_engine.engine import MicroBatching, RLEngine
 from verl_engine.rl_batch import RLBatch, read_scalar
-from verl_engine.rl_engine import MicroBatching, RLEngine
 
 
 def _batch(prompt_lens: list[int], response_lens: list[int]) -> dict[str, torch.Tensor]:
@@ -116,7 +116,7 @@ def test_the_tokenizer_of_model_path_is_transformers_auto_tokenizer(tmp_path) ->
 def test_micro_batches_are_split_to_a_multiple_of_the_pipeline_size() -> None:
     import pytest
 
-    from verl_engine.rl_engine import split_to_multiple
+    from verl_engine.engine import split_to_multiple
 
     assert split_to_multiple([(0, 1), (2, 3), (4,)], multiple=2) == [(0,), (1,), (2, 3), (4,)]
     assert split_to_multiple([(0, 1, 2, 3)], multiple=4) == [(0,), (1,), (2,), (3,)]

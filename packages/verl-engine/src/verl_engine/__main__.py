@@ -2,6 +2,6 @@
 
 import sys
 
-from verl_engine.cli import main
+from verl_engine.apps.cli import main
 
 sys.exit(main())

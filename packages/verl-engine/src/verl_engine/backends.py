@@ -21,34 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DebugBackend", "MegatronBackend", "debug_adamw"]
+__all__ = ["DebugBackend", "MegatronBackend"]
 
 Step = Callable[[Any, torch.nn.Module], "torch.Tensor | None"]
-
-
-def debug_adamw(
-    model: torch.nn.Module | Sequence[torch.nn.Module],
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: Sequence[float],
-    eps: float,
-) -> torch.optim.AdamW:
-    """The debug backend's optimizer: ``torch.optim.AdamW`` over the trainable parameters (of every chunk).
-
-    megatron-core's grouping: no weight decay on biases and 1-D parameters (norm weights).
-    """
-    decay, no_decay = [], []
-    for chunk in [model] if isinstance(model, torch.nn.Module) else model:
-        for name, p in chunk.named_parameters():
-            if p.requires_grad:
-                (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(betas[0], betas[1]),
-        eps=eps,
-    )
 
 
 class DebugBackend:

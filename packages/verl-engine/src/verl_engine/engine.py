@@ -1,488 +1,467 @@
-"""The training engine: one model, its optimizer and ``train_step`` over micro-batches.
+"""The engine RL and SFT trainers drive: verl's engine surface over a megatron-core model (actor, critic,
+reference, SFT policy). One object per role.
 
-Two backends run the same megatron-core GPTModel code:
-
-* ``megatron`` (CUDA): the model wrapped by verl_mcore_utils.make_megatron_module (Float16Module +
-  megatron-core DistributedDataParallel, config from build_ddp_config) or, with
-  ``megatron.use_megatron_fsdp``, by verl_mfsdp.make_megatron_fsdp_module (Megatron-FSDP);
-  megatron-core's optimizer (distributed or not) and its forward-backward schedule.
-* ``debug`` (CPU only, clearly labelled): gloo process group, no DDP wrapper, torch.optim.AdamW,
-  float32; gradients are summed over DP with plain all-reduces. megatron-core's DDP buffers,
-  optimizers and schedules hard-code CUDA, so this is how the model code is exercised without a GPU.
-
-Both are :mod:`verl_engine.backends` objects (shared with the RL engine): the engine's methods delegate
-to them instead of branching. Both compute the same objective (verl_engine.loss), so a debug run on N
-gloo processes and a single-process run give the same gradients.
-
-Two input forms: padded ``Batch`` micro-batches (``train_step``) and, when the engine is built with a
-:class:`verl_engine.packed.CPLayout`, packed sequences (``train_step_packed`` / ``compute_log_probs``)
-split over the DP x CP ranks by verl-dyncp with static or dynamic context parallelism.
+Per call it takes the step's whole batch (verl's keys, the same on every rank), packs the valid tokens,
+cuts micro-batches, lets verl-dyncp's planner spread each over the DP x CP ranks (static or dynamic CP),
+runs the model on each rank's share and merges the per-token outputs back, so the loss sees whole
+sequences. Why the whole batch on every rank: no rank can be given a different number of micro-batches,
+and a bad batch fails on every rank with the same error instead of hanging one. Design notes: README.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from verl_config import SFTConfig
-from verl_engine.backends import DebugBackend, MegatronBackend, debug_adamw
-from verl_engine.data import Batch
+from verl_engine.forward import ModelForward, _unwrap
 from verl_engine.lifetime import Closeable
-from verl_engine.loss import masked_loss_sum
+from verl_engine.metrics import Metric, MetricAccumulator, Reduction
+from verl_engine.micro_batching import MicroBatching, split_to_multiple
+from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts
 from verl_engine.packed import (
     CPLayout,
     PackedBatch,
     PlannedMicroBatch,
     check_same_batch_on_every_rank,
     plan_micro_batches,
-    split_packed_micro_batches,
 )
-from verl_engine.pipeline import PipelineLayout
-from verl_mcore_utils.compat import make_megatron_optimizer
-from verl_mcore_utils.ddp import WrapConfig
-from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
-from verl_mcore_utils.parallel import ParallelDims
-from verl_mcore_utils.transformer_config import hf_get, hf_to_transformer_config
-from verl_mcore_utils.wgrad_fusion import with_wgrad_fusion
+from verl_engine.pipeline import PipelineLayout, share_from_last_stage
+from verl_engine.rl_batch import RLBatch, read_scalar
+from verl_engine.weight_export import WeightExport
 
-if TYPE_CHECKING:
-    from verl_dyncp.planner import WorkloadModel
+__all__ = ["LossFunction", "MicroBatching", "RLEngine", "split_to_multiple"]
 
-__all__ = ["Engine", "StepMetrics", "build_engine", "lr_at_step"]
+# verl's loss call shape: loss, metrics = loss_fn(model_output=..., data=..., dp_group=...)
+LossFunction = Callable[..., tuple[torch.Tensor, Mapping[str, Any]]]
 
 
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one optimizer step reports (identical on every rank)."""
+@dataclasses.dataclass
+class _Call:
+    """What one forward_backward_batch call carries from micro-batch to micro-batch."""
 
-    loss: float  # mean token loss over the global batch
-    grad_norm: float
-    loss_tokens: int  # global number of tokens in the loss
-    lr: float
-
-
-def lr_at_step(
-    step: int, *, total_steps: int, lr: float, min_lr: float, warmup_steps: int, style: str
-) -> float:
-    """Linear warm-up, then constant / linear / cosine decay to ``min_lr`` at ``total_steps``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if style == "constant" or total_steps <= warmup_steps:
-        return lr
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if style == "linear":
-        return min_lr + (lr - min_lr) * (1.0 - progress)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    data: Mapping[str, Any]
+    batch: RLBatch
+    loss_function: LossFunction | None
+    temperature: float
+    entropy: bool
+    scalars: dict[str, Any]
+    tracker: MtpTracker | None
+    mtp_packed: PackedBatch | None = None
+    mtp_counts: list[int] = dataclasses.field(default_factory=list)
+    per_seq: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    metrics: MetricAccumulator = dataclasses.field(default_factory=MetricAccumulator)
 
 
-class Engine(Closeable):
-    """A built model + optimizer; ``train_step`` runs one optimizer step over micro-batches."""
+class RLEngine(ModelForward, WeightExport, Closeable):
+    """verl's engine surface (``BaseEngine``) for one role over a built model and optimizer.
+
+    Built by :func:`verl_engine.build.build_rl_engine`; see the module docstring for the data path.
+    """
 
     def __init__(
         self,
         *,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         optimizer: Any,
-        runner: DebugBackend | MegatronBackend,
-        dims: ParallelDims,
+        backend: Any,
+        tp_group: Any,
+        tp_size: int,
         device: torch.device,
-        cp_layout: CPLayout | None = None,
-        cp_groups: Any = None,
-        cp_workload: WorkloadModel | None = None,
+        cp_layout: CPLayout,
+        cp_groups: Any,
+        cp_workload: Any,
+        micro_batching: MicroBatching,
+        value_model: bool,
+        use_remove_padding: bool = True,
+        lr_schedule: Any = None,
+        tokenizer_path: str | None = None,
+        pipeline: PipelineLayout | None = None,
+        mtp: MtpSettings | None = None,
+        mtp_embedding_copy: bool = False,
+        hf_config: Mapping[str, Any] | None = None,
+        lora: Any = None,
         fused_lm_head: bool = False,
     ) -> None:
-        self.model = model
-        # what the backends read from any engine (verl_engine.backends): one chunk, no pipeline stages, no MTP
-        self.chunks = [model]
-        self.pipeline = PipelineLayout.single_stage()
-        self.mtp_embedding_copy = False
+        # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
+        # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
+        self.chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        self.pipeline = pipeline or PipelineLayout.single_stage()
+        if self.pipeline.num_chunks != len(self.chunks):
+            raise ValueError(
+                f"{len(self.chunks)} model chunks for a pipeline layout of {self.pipeline.num_chunks} chunks per stage"
+            )
+        self.mtp = mtp
+        # pipeline stages with MTP layers: the last stage's copy of the word embedding takes the summed
+        # gradient of both copies (verl_mcore_utils.mtp.sync_mtp_embedding) so they stay equal
+        self.mtp_embedding_copy = mtp_embedding_copy
+        self.hf_config = hf_config
+        # verl-config's LoraConfig when the model carries LoRA adapters (rank > 0), else None
+        self.lora = lora
         self.optimizer = optimizer
-        self.runner = runner
-        self.dims = dims
+        self.backend = backend
+        self.tp_group = tp_group
+        self.tp_size = tp_size
         self.device = device
         self.cp_layout = cp_layout
         self.cp_groups = cp_groups
-        # verl_dyncp.WorkloadModel the planner balances (attention L^2 + dense layers ~ 12 h L per
-        # sequence); None = attention only, which piles short sequences onto one rank.
         self.cp_workload = cp_workload
-        # model.use_fused_kernels: the LM head's matmul inside the chunked loss (verl_engine.fused_head), so
-        # [tokens, vocab] logits never exist; else megatron-core's output layer and cross-entropy.
-        self.fused_lm_head = fused_lm_head
+        self.micro_batching = micro_batching
+        self.value_model = value_model
+        self.use_remove_padding = use_remove_padding
+        # model.use_fused_kernels: log-probs / entropy from the last hidden states with the LM head's matmul
+        # inside the chunk loop (verl_engine.fused_head); a value model has no LM head to fuse.
+        self.fused_lm_head = fused_lm_head and not value_model
+        self.lr_schedule = lr_schedule
+        self.mode: str | None = None
+        self._tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None
 
-    @property
-    def debug(self) -> bool:
-        """True on the CPU debug backend (no megatron DDP / optimizer / schedule)."""
-        return isinstance(self.runner, DebugBackend)
-
-    @property
-    def backend(self) -> str:
-        return self.runner.describe(self.model)
-
-    def describe(self) -> dict[str, Any]:
-        """What actually runs: wrapper, optimizer classes and the DDP settings in effect."""
-        info: dict[str, Any] = {"backend": self.backend, "model_wrapper": type(self.model).__name__}
-        if self.cp_layout is not None:
-            info["packed"] = self.cp_layout.describe()
-        opt = self.optimizer
-        inner = getattr(opt, "chained_optimizers", None) or [opt]
-        info["optimizer"] = [type(o).__name__ for o in inner]
-        ddp_config = getattr(self.model, "ddp_config", None)
-        if ddp_config is not None:
-            info["ddp_config"] = {
-                k: getattr(ddp_config, k)
-                for k in (
-                    "use_distributed_optimizer",
-                    "use_megatron_fsdp",
-                    "data_parallel_sharding_strategy",
-                    "overlap_grad_reduce",
-                    "grad_reduce_in_fp32",
-                    "bucket_size",
-                )
-                if hasattr(ddp_config, k)
-            }
-        return info
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def _global_count(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        if self.dims.dp > 1:
-            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return float(t.item())
-
-    def compute_gradients(self, micro_batches: list[Batch]) -> tuple[float, int]:
-        """Forward/backward every micro-batch of this rank and reduce gradients over DP.
-
-        Afterwards every rank holds the gradient of the global-batch token-mean loss (in ``.grad`` for
-        the debug backend, in DDP's ``main_grad`` buffers for megatron). Returns (global token-mean
-        loss, global loss-token count), identical on every rank.
-        """
-        if not micro_batches:
-            raise ValueError("compute_gradients needs at least one micro-batch")
-        global_tokens = self._global_count(sum(mb.num_loss_tokens for mb in micro_batches))
-        if global_tokens == 0:
-            raise ValueError(
-                "the global batch has no loss tokens (every loss_mask is 0); nothing to train on"
-            )
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        loss_sum = self._backward(
-            micro_batches,
-            self._padded_forward,
-            global_tokens=global_tokens,
-        )
-        return self._global_count(loss_sum) / global_tokens, int(global_tokens)
-
-    def compute_gradients_packed(self, batch: PackedBatch) -> tuple[float, int]:
-        """Like :meth:`compute_gradients` for a packed global batch split by the engine's CP layout.
-
-        ``batch`` is the whole step's batch, identical on every rank (checked). The loss of every rank is
-        its own tokens' loss sum over the GLOBAL loss-token count, so the reduced gradient is the no-CP
-        gradient of the mean token loss whatever the CP sizes and micro-batches.
-        """
-        prepared = self._prepare_packed(batch)
-        global_tokens = batch.num_loss_tokens
-        if global_tokens == 0:
-            raise ValueError(
-                "the packed batch has no loss tokens (label_mask selects nothing); nothing to train on"
-            )
-        loss_sum = self._backward(
-            prepared,
-            self._packed_forward,
-            global_tokens=float(global_tokens),
-        )
-        return self._global_count(loss_sum) / global_tokens, global_tokens
-
-    @torch.no_grad()
-    def compute_log_probs(self, batch: PackedBatch) -> torch.Tensor:
-        """Per-token log-probabilities of a packed batch under the current weights (log-prob inference).
-
-        Returns float32 ``[total tokens]`` on the engine's device, identical on every rank, in the
-        batch's order: entry ``t`` is ``log p(x_t | x_<t)`` of its sequence, 0 for each sequence's first
-        token. Runs with the same CP layout as training; every rank's local results are merged back
-        into the original order (verl_dyncp.dynamic_cp_merge_output).
-        """
-        from verl_dyncp.planner import dynamic_cp_merge_output
-
-        prepared = self._prepare_packed(batch)
-        cu = batch.cu_seqlens
-        out = torch.zeros(cu[-1], dtype=torch.float32, device=self.device)
-        was_training = self.model.training
-        self.model.eval()  # inference: no dropout
+    # ------------------------------------------------------------------------------ modes
+    @contextlib.contextmanager
+    def train_mode(self, **_: Any) -> Iterator[RLEngine]:
+        """Training context: model in train mode; gradients are zeroed on exit (as verl's Megatron engine)."""
+        previous = self.mode
+        self.mode = "train"
+        self.model.train()
         try:
-            for indices, mb, params in prepared:
-                per_token_loss, _ = self._packed_forward(self.model, (indices, mb, params))
-                merged = dynamic_cp_merge_output(
-                    -per_token_loss.reshape(-1).float(), micro_batch=mb, groups=self.cp_groups
-                )
-                offset = 0
-                for i in indices:  # merged is label-aligned: slot j predicts token j + 1 of the sequence
-                    n = batch.seq_lens[i]
-                    out[cu[i] + 1 : cu[i] + n] = merged[offset : offset + n - 1]
-                    offset += n
+            yield self
+        finally:
+            self.optimizer_zero_grad()
+            self.mode = previous
+
+    @contextlib.contextmanager
+    def eval_mode(self, **_: Any) -> Iterator[RLEngine]:
+        """Inference context: model in eval mode (no dropout)."""
+        previous, was_training = self.mode, self.model.training
+        self.mode = "eval"
+        self.model.eval()
+        try:
+            yield self
         finally:
             self.model.train(was_training)
-        return out
+            self.mode = previous
 
-    def _prepare_packed(self, batch: PackedBatch) -> list[PlannedMicroBatch]:
-        """Check the batch is the same on every rank, cut it into micro-batches and split each one."""
-        if self.cp_layout is None or self.cp_groups is None:
-            raise RuntimeError(
-                "this engine was built without a CP layout; pass cp_layout=CPLayout(...) (or"
-                " cp_layout_from_config(megatron_config)) to build_engine to train on packed batches"
-            )
-        check_same_batch_on_every_rank(
-            batch,
-            device=self.device,
-            message="ranks were given different packed batches (lengths, tokens or label_mask differ); the packed"
-            " path needs the whole step's batch, identical, on every rank",
-        )
-        if not batch.seq_lens:
-            raise ValueError(
-                "empty batch: the packed batch has no sequences; give every step at least one sequence"
-            )
-        layout = self.cp_layout
-        budget = layout.token_budget_per_rank
-        assert budget is not None  # CPLayout validates it
-        return plan_micro_batches(
-            batch,
-            split_packed_micro_batches(batch.seq_lens, max_tokens=budget * self.cp_groups.world_size),
-            layout=layout,
-            groups=self.cp_groups,
-            tp_size=self.dims.tp,
-            workload=self.cp_workload,
-            device=self.device,
-            max_tokens_per_rank=budget,
-        )
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The model without its LoRA adapters (verl's reference policy = the actor without its adapter).
 
-    def named_gradients(self) -> dict[str, torch.Tensor]:
-        """Reduced gradients by parameter name (``main_grad`` under megatron DDP), as fp32 CPU copies."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
-            grad = self.runner.gradient(p)
-            if grad is not None:
-                # DDP and Float16Module each add one "module." in front of the GPTModel's names.
-                out[name.removeprefix("module.").removeprefix("module.")] = (
-                    grad.detach().float().cpu().clone()
-                )
-        return out
+        Inside, forwards run the frozen base model (peft's adapter switch); without LoRA the model already is
+        the base model and this does nothing.
+        """
+        if self.lora is None:
+            yield
+            return
+        from verl_mcore_utils.lora import adapters_disabled
+
+        with adapters_disabled(self.chunks):
+            yield
+
+    # ------------------------------------------------------------------------------ ranks
+    def get_data_parallel_size(self) -> int:
+        """1: every rank takes the whole batch (the engine spreads it over DP x CP itself)."""
+        return 1
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_parallel_group(self) -> Any:
+        return None
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        """Rank 0 returns outputs to a controller (every rank, every pipeline stage, holds the same outputs)."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    @property
+    def megatron_fsdp(self) -> bool:
+        """True when the chunks are wrapped by Megatron-FSDP (``megatron.use_megatron_fsdp`` on CUDA)."""
+        return any(getattr(getattr(c, "ddp_config", None), "use_megatron_fsdp", False) for c in self.chunks)
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks whose gradients are averaged: DP x CP (the pool verl-dyncp plans over)."""
+        return int(self.cp_groups.world_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of ``model.path`` (transformers AutoTokenizer, loaded on first use)."""
+        if self._tokenizer is None:
+            if self._tokenizer_path is None:
+                raise ValueError("this engine was built without a model path; it has no tokenizer")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
+
+    def describe(self) -> dict[str, Any]:
+        """What actually runs: backend, wrapper, optimizer classes and the DDP settings in effect."""
+        info: dict[str, Any] = {
+            "backend": self.backend.describe(self.chunks[0]),
+            "model_wrapper": type(self.chunks[0]).__name__,
+            "cp_layout": self.cp_layout.describe(),
+        }
+        inner = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        info["optimizer"] = [type(o).__name__ for o in inner if o is not None]
+        ddp_config = getattr(self.chunks[0], "ddp_config", None)
+        if ddp_config is not None:
+            keys = (
+                "use_distributed_optimizer",
+                "use_megatron_fsdp",
+                "overlap_grad_reduce",
+                "grad_reduce_in_fp32",
+            )
+            info["ddp_config"] = {k: getattr(ddp_config, k) for k in keys if hasattr(ddp_config, k)}
+        return info
+
+    # ------------------------------------------------------------------------------ optimizer
+    def optimizer_zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.backend.zero_grad(self)
 
     def optimizer_step(self) -> float:
-        """Clip, step the optimizer; return the gradient norm before clipping."""
-        return self.runner.step(self)
+        """Clip and step; returns the gradient norm before clipping."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this engine has no optimizer (a forward-only role such as the reference policy)"
+            )
+        return self.backend.step(self)
 
-    def train_step(self, micro_batches: list[Batch], *, lr: float) -> StepMetrics:
-        """One optimizer step over this rank's micro-batches at learning rate ``lr``."""
-        loss, tokens = self.compute_gradients(micro_batches)
-        return self._finish_step(loss, tokens, lr=lr)
+    def lr_scheduler_step(self) -> float:
+        """Advance the learning-rate schedule one step; returns the new learning rate."""
+        if self.lr_schedule is None:
+            raise RuntimeError("this engine has no learning-rate schedule (no optimizer section was given)")
+        return float(self.lr_schedule.step(self.optimizer))
 
-    def _finish_step(self, loss: float, tokens: int, *, lr: float) -> StepMetrics:
-        """Set ``lr``, step the optimizer on the gradients just computed, report the step."""
-        self.set_lr(lr)
-        grad_norm = self.optimizer_step()
-        return StepMetrics(loss=loss, grad_norm=grad_norm, loss_tokens=tokens, lr=lr)
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def _padded_forward(self, model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._token_losses(
-            model,
-            labels=mb.labels,
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            attention_mask=None,
-        )
-        return out, mb.loss_mask
+    # ------------------------------------------------------------------------------ offload
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """Move the selected training state to host memory (between phases: rollout uses the GPU meanwhile).
 
-    def _packed_forward(
-        self, model: torch.nn.Module, item: tuple[tuple[int, ...], Any, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        _, mb, params = item
-        b = mb.batch
-        # Positions come from the THD layout inside the attention (RoPE of the no-CP run); labels of
-        # padding / last tokens are masked out of the loss (megatron's cross-entropy needs them clamped
-        # to a valid id, the fused head ignores them).
-        out = self._token_losses(
-            model,
-            labels=b.labels[None],
-            input_ids=b.input_ids[None],
-            position_ids=None,
-            attention_mask=None,
-            packed_seq_params=params,
-        )
-        return out, b.loss_mask[None]
-
-    def _token_losses(self, model: torch.nn.Module, *, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """Per-token cross-entropy ``[b, s]``: megatron-core's (vocab-parallel under TP) or the fused head's."""
-        if not self.fused_lm_head:
-            return model(**inputs, labels=labels.clamp(min=0))
-        from verl_engine.fused_head import lm_head_returns_hidden
-        from verl_mcore_utils.module import unwrap_model
-
-        with lm_head_returns_hidden(unwrap_model(model)) as head:
-            hidden = model(**inputs, labels=None)
-        log_probs, _ = head.log_probs(
-            hidden,
-            labels,
-            tp_group=parallel_state.get_tensor_model_parallel_group() if self.dims.tp > 1 else None,
-            compute_entropy=False,
-        )
-        return -log_probs
-
-    def _backward(
-        self,
-        items: Sequence[Any],
-        forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
-        *,
-        global_tokens: float,
-    ) -> float:
-        """Forward + backward of every item through the backend; returns this rank's masked loss sum.
-
-        Each item's loss is its masked sum over the GLOBAL token count times the pool size: both backends
-        average gradients over the pool (DDP / the debug all-reduce), so the result is the gradient of
-        the global token mean.
+        verl-mcore-utils' offload: whole device storages copied into one reused host buffer each (host memory
+        stays 1x), device memory released; DDP / distributed-optimizer views stay valid. A group already
+        offloaded is an error, as is using the engine before :meth:`onload`. Returns the transfer stats.
         """
-        pool = self.dims.dp
-        sums: list[torch.Tensor] = []
+        out: dict[str, Any] = {}
+        offload_model, offload_optimizer = self._offload_functions("offload")
+        if params or grads:
+            out["model"] = offload_model(self.chunks, params=params, grads=grads).as_dict()
+        if optimizer and self.optimizer is not None:
+            out["optimizer"] = offload_optimizer(self.optimizer).as_dict()
+        return out
 
-        def step(item: Any, model: torch.nn.Module) -> torch.Tensor:
-            s = masked_loss_sum(*forward(model, item))
-            sums.append(s.detach())
-            return s / global_tokens * pool
+    def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """Bring back, bit for bit, what :meth:`offload` moved (the same selection)."""
+        out: dict[str, Any] = {}
+        onload_model, onload_optimizer = self._offload_functions("onload")
+        if params or grads:
+            out["model"] = onload_model(self.chunks, params=params, grads=grads).as_dict()
+        if optimizer and self.optimizer is not None:
+            out["optimizer"] = onload_optimizer(self.optimizer).as_dict()
+        return out
 
-        self.runner.zero_grad(self)
-        self.runner.run(self, items, step, forward_only=False)
-        return float(sum(float(s) for s in sums))
+    def _offload_functions(self, direction: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(model, optimizer) functions of verl-mfsdp for Megatron-FSDP chunks, else of verl-mcore-utils."""
+        if self.megatron_fsdp:
+            import verl_mfsdp.offload as fsdp
 
-    def train_step_packed(self, batch: PackedBatch, *, lr: float) -> StepMetrics:
-        """One optimizer step over a packed global batch (see :meth:`compute_gradients_packed`)."""
-        loss, tokens = self.compute_gradients_packed(batch)
-        return self._finish_step(loss, tokens, lr=lr)
+            return (
+                getattr(fsdp, f"{direction}_megatron_fsdp_model"),
+                getattr(fsdp, f"{direction}_megatron_fsdp_optimizer"),
+            )
+        import verl_mcore_utils.offload as ddp
 
+        return getattr(ddp, f"{direction}_megatron_model"), getattr(ddp, f"{direction}_megatron_optimizer")
 
-def build_engine(
-    cfg: SFTConfig,
-    *,
-    hf_config: Mapping[str, Any],
-    dims: ParallelDims,
-    device: torch.device,
-    cp_layout: CPLayout | None = None,
-) -> Engine:
-    """Build the model and optimizer for ``cfg`` on ``device`` (CPU means the debug backend).
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        path: str,
+        *,
+        global_step: int,
+        data_position: Any = None,
+        max_ckpt_to_keep: int | None = None,
+    ) -> Any:
+        """Atomic checkpoint under ``path/global_step_<N>`` (every rank calls it); see :mod:`verl_engine.checkpoint`."""
+        from verl_engine.checkpoint import save_checkpoint
 
-    With ``cp_layout`` the model takes packed (THD) batches through verl-dyncp's attention and the
-    engine creates the CP groups of the DP x CP pool; megatron-core must then have been initialised
-    with ``context_parallel_size=1`` (its data-parallel group is the pool).
-    """
-    m, o = cfg.megatron, cfg.optim
-    debug = device.type == "cpu"
-    dtype = "float32" if debug else m.dtype
-    if cp_layout is None and (m.context_parallel_size > 1 or m.dynamic_context_parallel):
-        raise ValueError(
-            "megatron.context_parallel_size > 1 / megatron.dynamic_context_parallel need packed batches:"
-            " build the engine with cp_layout=cp_layout_from_config(cfg.megatron, ...) and train with"
-            " train_step_packed"
+        return save_checkpoint(
+            self,
+            path,
+            global_step=global_step,
+            data_position=data_position,
+            max_ckpt_to_keep=max_ckpt_to_keep,
         )
-    if cp_layout is not None and dims.cp != 1:
-        raise ValueError(
-            f"the packed path runs CP through verl-dyncp's groups: initialise megatron-core with"
-            f" context_parallel_size=1 (got {dims.cp}); the DP x CP pool is world / (TP x PP)"
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
+        """Restore a step directory or a root's latest step; returns its ``global_step`` and ``data_position``."""
+        from verl_engine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, load_optimizer=load_optimizer)
+
+    # ------------------------------------------------------------------------------ batches
+    def train_batch(self, data: Mapping[str, Any], loss_function: LossFunction) -> dict[str, Any]:
+        """Zero grads, forward + backward over the batch, optimizer step; ``metrics["grad_norm"]`` added."""
+        self.optimizer_zero_grad()
+        out = self.forward_backward_batch(data, loss_function, forward_only=False)
+        out["metrics"]["grad_norm"] = self.optimizer_step()
+        return out
+
+    @torch.no_grad()
+    def infer_batch(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None = None
+    ) -> dict[str, Any]:
+        """Forward only: log-probs / entropy (or values) of every token, in input order."""
+        return self.forward_backward_batch(data, loss_function, forward_only=True)
+
+    def forward_backward_batch(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        """Run every micro-batch; returns ``{"model_output": ..., "loss": float, "metrics": {...}}``.
+
+        ``model_output``: ``log_probs`` and (with ``calculate_entropy``) ``entropy`` for a language model,
+        ``values`` for a value model, in the input's layout (position ``c`` holds the output computed at
+        token ``c``: log p(token c+1)), identical on every rank. ``loss`` is the global loss of the call,
+        ``metrics`` the loss function's metrics reduced as each declares (:mod:`verl_engine.metrics`). Between
+        the first and the last micro-batch nothing is read on the host: losses and metrics stay on the
+        device and are read once, after the last one.
+        """
+        if not forward_only and loss_function is None:
+            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_function")
+        call = self._start_call(data, loss_function, forward_only=forward_only)
+        micro = self._plan(call.batch)
+        self.backend.run(
+            self, micro, lambda mb, model: self._step(call, mb, model), forward_only=forward_only
         )
-    tf_config = hf_to_transformer_config(
-        hf_config,
-        dtype=dtype,
-        tensor_model_parallel_size=m.tensor_model_parallel_size,
-        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-        context_parallel_size=dims.cp,
-        sequence_parallel=m.sequence_parallel,
-        overrides=with_wgrad_fusion(
-            m.given_transformer_overrides(),
-            device=device,
-            megatron_ddp=not debug and not m.use_megatron_fsdp,
-        ),
-    )
-    # CPU initialisation with one seed: identical weights whatever the DP / CP layout. Not across TP sizes on
-    # megatron-core 0.14, which initialises TP-sharded weights differently from TP 1 (0.19 does not):
-    # compare TP layouts from loaded weights.
-    torch.manual_seed(m.seed)
-    cp_groups = None
-    cp_workload: WorkloadModel | None = None
-    provider: Any
-    if cp_layout is None:
-        provider = GPTModelProvider(hf_config=hf_config, transformer_config=tf_config, device=device)
-    else:
-        from verl_dyncp.model import THDGPTModelProvider
-        from verl_dyncp.planner import MEASURED_ATTENTION_COST_FACTOR, WorkloadModel
+        return self._finish_call(call)
 
-        provider = THDGPTModelProvider(
-            hf_config=hf_config,
-            transformer_config=tf_config,
-            device=device,
-            kernel=m.packed_attention_backend,
+    def _start_call(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None, *, forward_only: bool
+    ) -> _Call:
+        """Validate the batch (the same on every rank) and read the call's settings, before any micro-batch."""
+        batch = RLBatch.from_data(data)
+        check_same_batch_on_every_rank(
+            batch.packed,
+            device=self.device,
+            message="ranks were given different batches (lengths or tokens differ); the engine needs the call's"
+            " whole batch, identical, on every rank (get_data_parallel_size() is 1)",
         )
-        cp_groups = _pool_cp_groups()
-        cp_workload = WorkloadModel.from_transformer_config(
-            tf_config,
-            vocab_size=hf_get(hf_config, "vocab_size"),
-            attention_cost_factor=MEASURED_ATTENTION_COST_FACTOR,
+        temperature = float(read_scalar(data, "temperature", 1.0))
+        call = _Call(
+            data=data,
+            batch=batch,
+            loss_function=loss_function,
+            temperature=temperature,
+            entropy=bool(read_scalar(data, "calculate_entropy", False)) and not self.value_model,
+            scalars=self._loss_scalars(data, batch, temperature=temperature),
+            tracker=self._mtp_tracker(forward_only=forward_only, has_loss=loss_function is not None),
         )
-    # One wrapping path for every backend: verl-mcore-utils' make_megatron_module (Float16Module, DDP config
-    # from build_ddp_config, broadcast) or verl-mfsdp's Megatron-FSDP, with verl-config's converter of the
-    # megatron section; the CPU debug backend takes the unwrapped chunk.
-    wrap = WrapConfig(**{**m.wrap_config_kwargs(), "wrap_with_ddp": not debug})
-    if m.use_megatron_fsdp and not debug:
-        from verl_mfsdp.wrap import make_megatron_fsdp_module, make_megatron_fsdp_optimizer
+        if call.tracker is not None:  # the batch with its MTP targets (response tokens) as label mask
+            call.mtp_packed = dataclasses.replace(batch.packed, label_mask=batch.response_token_mask())
+            call.mtp_counts = mtp_target_counts(call.mtp_packed, num_layers=call.tracker.num_layers)
+        return call
 
-        chunks = make_megatron_fsdp_module(
-            provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config
+    def _step(self, call: _Call, mb: PlannedMicroBatch, model: torch.nn.Module) -> torch.Tensor | None:
+        """One micro-batch: forward, outputs kept, loss and metrics recorded on the device (never read here:
+        a host read would make the host wait for this forward before it can queue the backward)."""
+        batch = call.batch
+        if not _unwrap(model).post_process:  # an earlier pipeline stage: its activations go on
+            return self._stage_forward(model, mb, packed=batch.packed)
+        merged, mtp_term = self._forward(
+            model,
+            mb,
+            packed=batch.packed,
+            temperature=call.temperature,
+            entropy=call.entropy,
+            tracker=call.tracker,
+            mtp_packed=call.mtp_packed,
+            mtp_counts=call.mtp_counts,
         )
-    else:
-        chunks = make_megatron_module(provider, wrap_config=wrap, override_ddp_config=m.override_ddp_config)
-    model = chunks[0]
-    make_engine = partial(
-        Engine,
-        model=model,
-        dims=dims,
-        device=device,
-        cp_layout=cp_layout,
-        cp_groups=cp_groups,
-        cp_workload=cp_workload,
-        fused_lm_head=cfg.model.use_fused_kernels,
-    )
-    if debug:
-        optimizer = debug_adamw(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
-        runner = DebugBackend(
-            clip_grad=o.clip_grad, pool_group=parallel_state.get_data_parallel_group(), pool_size=dims.dp
+        self._keep_outputs(batch, mb, merged, call.per_seq)
+        if call.loss_function is None:
+            return None
+        loss_data = batch.rows(call.data, mb.indices, device=self.device) | call.scalars
+        model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
+        loss, metrics = call.loss_function(model_output=model_output, data=loss_data, dp_group=None)
+        call.losses.append(loss.detach())
+        call.metrics.add(metrics)
+        return loss if mtp_term is None else loss + mtp_term
+
+    def _finish_call(self, call: _Call) -> dict[str, Any]:
+        """The step's reduction (one host read) on the last stage, shared with every stage; outputs in the
+        input's layout."""
+        batch = call.batch
+        flat: dict[str, torch.Tensor] | None = None
+        extra: Any = None
+        if self.pipeline.is_last_stage:
+            flat = {key: torch.cat(values) for key, values in call.per_seq.items()}
+            if call.losses:
+                call.metrics.add({"__loss__": _loss_share(torch.stack(call.losses).sum())})
+            summary = call.metrics.reduce(pool_size=self.pool_size)
+            loss_total = summary.pop("__loss__", 0.0)
+            if (
+                call.tracker is not None
+            ):  # every last-stage rank joins the pool's reduction (see verl_engine.mtp)
+                summary.update(call.tracker.reduce(group=self.cp_groups.full_group))
+            extra = (loss_total, summary)
+        sizes = {key: sum(batch.packed.seq_lens) for key in self._output_keys(call.entropy)}
+        flat, (loss_total, summary) = share_from_last_stage(
+            self.pipeline, tensors=flat, sizes=sizes, extra=extra, device=self.device
         )
-        return make_engine(optimizer=optimizer, runner=runner)
+        outputs = {
+            key: batch.to_input_layout(list(values.split(list(batch.packed.seq_lens))))
+            for key, values in flat.items()
+        }
+        return {"model_output": outputs, "loss": loss_total, "metrics": summary}
 
-    from megatron.core.optimizer import OptimizerConfig
+    # ------------------------------------------------------------------------------ internals
+    def _mtp_tracker(self, *, forward_only: bool, has_loss: bool) -> MtpTracker | None:
+        """Tracker state exists on exactly the ranks that run MTP: last stage, training with a loss."""
+        if self.mtp is None or forward_only or not has_loss or not self.pipeline.is_last_stage:
+            return None
+        return MtpTracker(num_layers=self.mtp.num_layers, device=self.device)
 
-    kwargs = o.optimizer_config_kwargs(
-        dtype=m.dtype, use_distributed_optimizer=model.ddp_config.use_distributed_optimizer
-    )
-    kwargs["params_dtype"] = tf_config.params_dtype  # verl-config is torch-free: it names the dtype
-    opt_config = OptimizerConfig(**kwargs)
-    if m.use_megatron_fsdp:
-        optimizer = make_megatron_fsdp_optimizer(opt_config, chunks)
-    else:
-        optimizer = make_megatron_optimizer(opt_config, chunks)
-    attach_training_hooks(chunks, optimizer)
-    return make_engine(optimizer=optimizer, runner=MegatronBackend())
+    def _loss_scalars(self, data: Mapping[str, Any], batch: RLBatch, *, temperature: float) -> dict[str, Any]:
+        if "response_mask" in data:
+            tokens = int(data["response_mask"].to(torch.bool).sum())
+        else:
+            tokens = sum(batch.response_lens)
+        return {
+            "dp_size": self.pool_size,
+            "batch_num_tokens": tokens,
+            "global_batch_size": batch.size,
+            "temperature": temperature,
+        }
+
+    def _plan(self, batch: RLBatch) -> list[PlannedMicroBatch]:
+        layout = self.cp_layout
+        groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
+        splits = self.micro_batching.split(
+            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+        )
+        if self.pipeline.num_chunks > 1:
+            splits = split_to_multiple(splits, multiple=self.pipeline.size)
+        return plan_micro_batches(
+            batch.packed,
+            splits,
+            layout=layout,
+            groups=self.cp_groups,
+            tp_size=self.tp_size,
+            workload=self.cp_workload,
+            device=self.device,
+            max_tokens_per_rank=self.micro_batching.max_token_len_per_gpu
+            if self.micro_batching.use_dynamic_bsz
+            else None,
+        )
 
 
-def _pool_cp_groups() -> Any:
-    """verl-dyncp CP groups over megatron-core's data-parallel groups (one rank list per TP/PP position)."""
-    from verl_dyncp.groups import CPGroups
-
-    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    lists: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(lists, sorted(mine))
-    unique = sorted({tuple(r) for r in lists})
-    return CPGroups(rank_lists=unique)
+def _loss_share(total: torch.Tensor) -> Metric:
+    """The call's summed micro-batch losses as a SUM metric (divided by the pool size like every share)."""
+    return Metric(total, Reduction.SUM)

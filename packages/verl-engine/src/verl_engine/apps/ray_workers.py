@@ -86,7 +86,7 @@ class EngineWorker:
         from megatron.core import parallel_state
 
         from verl_config import load_config
-        from verl_engine.build_rl import rl_engine_from_config
+        from verl_engine.build import rl_engine_from_config
         from verl_mcore_utils.parallel import init_parallel
 
         cfg = load_config(overrides=list(overrides))

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from verl_config import ConfigError, SFTConfig, load_config
-from verl_engine.quiet import quiet_third_party_notices
+from verl_engine.apps.quiet import quiet_third_party_notices
 
 __all__ = ["main", "parse_train_args"]
 
@@ -112,7 +112,7 @@ _OFFLOAD_KEYS = (
 
 def run_grpo_command(args: argparse.Namespace) -> int:
     """``verl-engine grpo``: prints the held-out accuracy per evaluation and where the metrics are."""
-    from verl_engine.grpo_run import GRPORun, RayWorkers, run_grpo
+    from verl_engine.apps.grpo_run import GRPORun, RayWorkers, run_grpo
 
     overrides = [*(_OFFLOAD_KEYS if args.offload else ()), *args.overrides]
     if args.init_from is not None:
@@ -139,7 +139,7 @@ def run_grpo_command(args: argparse.Namespace) -> int:
         **{k: v for k, v in optional.items() if v is not None},
     )
     if run.plot:
-        from verl_engine.grpo_plot import require_matplotlib
+        from verl_engine.apps.grpo_plot import require_matplotlib
 
         try:
             require_matplotlib()
@@ -171,8 +171,8 @@ def _ray_group(overrides: list[str], *, device: str) -> object:
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'verl-engine[ray]'") from None
-    from verl_engine.grpo_run import _DEFAULTS
-    from verl_engine.ray_workers import RayWorkerGroup
+    from verl_engine.apps.grpo_run import _DEFAULTS
+    from verl_engine.apps.ray_workers import RayWorkerGroup
 
     cfg = load_config(overrides=[*_DEFAULTS, *overrides])
     world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"verl-engine: config error: {err}", file=sys.stderr)
         return 2
-    from verl_engine.trainer import train
+    from verl_engine.apps.sft import train
 
     try:
         train(cfg)

@@ -1,4 +1,4 @@
-"""The demo data of ``verl-engine train`` (not the engine's API): a deterministic arithmetic SFT data set and a character tokenizer: nothing to download.
+"""The demo data of ``verl-engine train``: a deterministic arithmetic SFT data set and a character tokenizer.
 
 Each sequence packs problems like ``37+45=82`` (one per line) up to the sequence length. The loss is
 taken on the answer tokens (what follows ``=``, newline included), as in SFT where only the response
@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 
 import torch
-
-from verl_engine.data import Batch
 
 __all__ = ["ArithmeticDataset", "CharTokenizer"]
 
@@ -80,16 +78,20 @@ class ArithmeticDataset:
         pad = self.seq_length + 1 - len(ids)
         return ids + [tok.pad_id] * pad, is_answer + [0] * pad
 
-    def global_batch(self, *, step: int, batch_size: int) -> Batch:
-        """The ``step``-th global batch of ``batch_size`` sequences (identical on every rank)."""
+    def global_batch(self, *, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        """The ``step``-th global batch of ``batch_size`` sequences (identical on every rank), in verl's layout.
+
+        Each row is ``<bos>`` as the prompt and the problems as the response (right-padded): ``input_ids`` /
+        ``attention_mask`` ``[B, 1 + R]``, ``response_mask`` ``[B, R]`` marking the answer tokens, the
+        tokens the loss is taken on.
+        """
         rng = random.Random(self.seed * 1_000_003 + step)
         rows = [self._sequence(rng) for _ in range(batch_size)]
         ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
-        answer = torch.tensor([r[1] for r in rows], dtype=torch.float32)
-        positions = torch.arange(self.seq_length, dtype=torch.long).expand(batch_size, -1).contiguous()
-        return Batch(
-            input_ids=ids[:, :-1].contiguous(),
-            labels=ids[:, 1:].contiguous(),
-            loss_mask=answer[:, 1:].contiguous(),
-            position_ids=positions,
-        )
+        answer = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        valid = ids != self.tokenizer.pad_id
+        return {
+            "input_ids": ids,
+            "attention_mask": valid.long(),
+            "response_mask": answer[:, 1:].contiguous(),
+        }

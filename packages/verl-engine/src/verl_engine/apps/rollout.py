@@ -4,7 +4,7 @@ An RL step samples responses with the current policy, so the rollout engine must
 after every update. The contract is two calls, the ones vLLM / SGLang integrations implement too:
 
 * ``update_weights(weights)``: an iterable of ``(hugging_face_name, tensor)`` pairs -- exactly what
-  :meth:`verl_engine.rl_engine.RLEngine.get_per_tensor_param` yields (gathered over TP / PP, one tensor or one
+  :meth:`verl_engine.engine.RLEngine.get_per_tensor_param` yields (gathered over TP / PP, one tensor or one
   bucket at a time). The engine must not keep references to the tensors after the call.
 * ``generate(prompts, params)``: token-id prompts (lists of ints, no padding) -> ``params.n`` responses per
   prompt, prompt-major (the ``n`` samples of prompt 0 first), each a list of token ids ending with the EOS

@@ -5,7 +5,7 @@
   without the std (Dr. GRPO, ``norm_adv_by_std_in_grpo=false``). verl's rule for a group of ONE response is
   kept: mean 0 and std 1, so a lone response's advantage is its score (not 0).
 * :func:`rollout_batch`: prompts and responses (token-id lists) as verl's padded batch -- prompts left-padded
-  to the longest, responses right-padded -- the layout :class:`verl_engine.rl_engine.RLEngine` consumes.
+  to the longest, responses right-padded -- the layout :class:`verl_engine.engine.RLEngine` consumes.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Everything an RL trainer does around the engine, small enough to read in one sit
    latest one exactly: engine state, RNG and LR schedule come back, the sampling is seeded by step).
 
 The engines run in this process (one rank of a torchrun launch, or a group of one) or, with a
-:class:`~verl_engine.ray_workers.RayWorkerGroup`, in Ray actors; the loop is the same code. Every knob is
+:class:`~verl_engine.apps.ray_workers.RayWorkerGroup`, in Ray actors; the loop is the same code. Every knob is
 verl's own key, read from the loaded verl-config ``ppo_trainer`` config; :class:`GRPORun` holds only what the
 config has no key for (output directory, warm start, task, held-out set size).
 """
@@ -42,9 +42,9 @@ from typing import Any, Protocol
 
 import torch
 
-from verl_engine.demo import CharTokenizer
-from verl_engine.grpo import grpo_outcome_advantage, rollout_batch
-from verl_engine.rollout import HFRollout, RolloutEngine, SamplingParams
+from verl_engine.apps.demo import CharTokenizer
+from verl_engine.apps.grpo import grpo_outcome_advantage, rollout_batch
+from verl_engine.apps.rollout import HFRollout, RolloutEngine, SamplingParams
 
 __all__ = [
     "ArithmeticTask",
@@ -284,7 +284,7 @@ class InProcessWorkers:
     loop; rollout, rewards and advantages are computed identically on each, only rank 0 writes files)."""
 
     def __init__(self, *, device: str) -> None:
-        from verl_engine.ray_workers import EngineWorker
+        from verl_engine.apps.ray_workers import EngineWorker
 
         self.worker = EngineWorker()
         self.device = device
@@ -304,7 +304,7 @@ class InProcessWorkers:
 
 
 class RayWorkers:
-    """The engines in the actors of a :class:`~verl_engine.ray_workers.RayWorkerGroup`; the loop (rollout,
+    """The engines in the actors of a :class:`~verl_engine.apps.ray_workers.RayWorkerGroup`; the loop (rollout,
     reward, advantages) runs in the driver and sends each phase's whole batch to every rank."""
 
     def __init__(self, group: Any, *, device: str) -> None:
@@ -463,11 +463,11 @@ def run_grpo(
     """The whole run (see the module docstring); returns the last step's metrics and the held-out accuracies.
 
     ``workers``: where the engines live (default: this process; :class:`RayWorkers` for Ray). ``rollout``: the
-    generation engine (default: :class:`~verl_engine.rollout.HFRollout` on ``run.device``). ``on_step`` sees
+    generation engine (default: :class:`~verl_engine.apps.rollout.HFRollout` on ``run.device``). ``on_step`` sees
     every step's metrics record (tests use it).
     """
     from verl_config import ConfigError, load_config
-    from verl_engine.build_rl import load_hf_config
+    from verl_engine.build import load_hf_config
 
     out = Path(run.out_dir)
     overrides = [*_DEFAULTS, f"actor_rollout_ref.actor.megatron.seed={run.seed}", *run.overrides]
@@ -665,7 +665,7 @@ def run_grpo(
     if bar is not None:
         bar.close()
     if run.plot and _is_rank0():
-        from verl_engine.grpo_plot import plot_grpo_metrics
+        from verl_engine.apps.grpo_plot import plot_grpo_metrics
 
         plot_grpo_metrics(metrics_file, out / "grpo.png", eval_at_start=history["eval"].get(0))
     return {"last": last, "eval": history["eval"], "start": start}

@@ -1,0 +1,45 @@
+"""RL and SFT losses of the engine in plain torch, with verl's global normalisation.
+
+Why: the engine runs one loss call per micro-batch and must produce the gradient of the *global* mini-batch
+objective however the batch is cut into micro-batches and ranks. Every micro-batch divides by global
+counts (``data["dp_size"]``, ``data["batch_num_tokens"]``, ``data["global_batch_size"]``), as verl does, so
+the sum over micro-batches and the gradient average over ranks give the global objective. Losses and
+metrics stay on the device (:mod:`verl_engine.metrics`). The contract in full: the package README.
+"""
+
+from verl_engine.losses.agg import LOSS_AGG_MODES, agg_loss
+from verl_engine.losses.kl import KL_PENALTIES, kl_penalty, kl_reward_penalty
+from verl_engine.losses.policy import (
+    POLICY_LOSSES,
+    PolicyLossFn,
+    PolicyTerms,
+    get_policy_loss_fn,
+    gpg_policy_loss,
+    gspo_policy_loss,
+    policy_loss,
+    register_policy_loss,
+    sapo_policy_loss,
+    vanilla_policy_loss,
+)
+from verl_engine.losses.roles import ppo_loss, sft_loss, value_loss
+
+__all__ = [
+    "KL_PENALTIES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "PolicyLossFn",
+    "PolicyTerms",
+    "agg_loss",
+    "get_policy_loss_fn",
+    "gpg_policy_loss",
+    "gspo_policy_loss",
+    "kl_penalty",
+    "kl_reward_penalty",
+    "policy_loss",
+    "ppo_loss",
+    "register_policy_loss",
+    "sapo_policy_loss",
+    "sft_loss",
+    "value_loss",
+    "vanilla_policy_loss",
+]

@@ -1,0 +1,239 @@
+"""Policy losses: one skeleton (importance weights, aggregation, metrics) and a small part per ``loss_mode``.
+
+A mode computes per-token terms only (:class:`PolicyTerms`): its loss, the log-ratio behind ``ppo_kl`` and
+which tokens its clip touched. :func:`policy_loss` does the rest the same way for every mode, so a new
+mode (``register_policy_loss``) is a few lines and cannot get the normalisation or the metrics wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from verl_engine.losses.agg import agg_loss
+from verl_engine.losses.common import config_value, masked, masked_mean
+from verl_engine.metrics import Metric
+
+__all__ = [
+    "POLICY_LOSSES",
+    "PolicyLossFn",
+    "PolicyTerms",
+    "get_policy_loss_fn",
+    "gpg_policy_loss",
+    "gspo_policy_loss",
+    "policy_loss",
+    "register_policy_loss",
+    "sapo_policy_loss",
+    "vanilla_policy_loss",
+]
+
+_RATIO_LOG_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp()
+_GSPO_LOG_RATIO_MAX = 10.0  # verl's GSPO clamps the log of the sequence ratio from above
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    """Per-token ``[mb, R]`` results of one policy-loss mode.
+
+    ``clipped`` / ``clipped_lower``: where the clip / the dual clip bound the loss (None: the mode has no
+    such clip, its fraction is 0). ``loss_agg_mode``: set by a mode that fixes its own aggregation, else
+    the config's applies.
+    """
+
+    losses: torch.Tensor
+    log_ratio: torch.Tensor
+    clipped: torch.Tensor | None = None
+    clipped_lower: torch.Tensor | None = None
+    loss_agg_mode: str | None = None
+
+
+PolicyLossFn = Callable[..., PolicyTerms]
+"""``fn(*, log_prob, old_log_prob, advantages, response_mask, config) -> PolicyTerms``."""
+
+_POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(_POLICY_LOSS_REGISTRY)
+"""Read-only view of the registered policy losses (name -> function)."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy-loss mode under ``name`` (``config.policy_loss.loss_mode``).
+
+    A later registration under the same name replaces the earlier one (verl does the same), which lets
+    user code override a built-in.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_policy_loss needs a non-empty name; got {name!r}")
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        _POLICY_LOSS_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered under ``name``; an unknown name lists the registered ones."""
+    if name not in _POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"unknown policy loss {name!r} (config.policy_loss.loss_mode); registered: "
+            f"{', '.join(sorted(_POLICY_LOSS_REGISTRY))}"
+        )
+    return _POLICY_LOSS_REGISTRY[name]
+
+
+def policy_loss(
+    *,
+    loss_mode: str,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    agg_kwargs: Mapping[str, Any],
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """The mode's per-token loss, times the rollout importance weights, aggregated; its metrics (MEAN)."""
+    terms = get_policy_loss_fn(loss_mode)(
+        log_prob=log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        config=config,
+    )
+    losses = terms.losses if rollout_is_weights is None else terms.losses * rollout_is_weights
+    pg_loss = agg_loss(
+        loss_mat=losses,
+        loss_mask=response_mask,
+        loss_agg_mode=terms.loss_agg_mode or loss_agg_mode,
+        **agg_kwargs,
+    )
+    metrics = {
+        "actor/pg_clipfrac": _fraction(terms.clipped, response_mask),
+        "actor/pg_clipfrac_lower": _fraction(terms.clipped_lower, response_mask),
+        "actor/ppo_kl": Metric(masked_mean(-terms.log_ratio, response_mask)),
+    }
+    return pg_loss, metrics
+
+
+def _fraction(flags: torch.Tensor | None, mask: torch.Tensor) -> Metric:
+    return Metric(0.0 if flags is None else masked_mean(flags.double(), mask))
+
+
+def _clip_range(config: Any, *, loss: str) -> tuple[float, float]:
+    """(clip_ratio_low, clip_ratio_high), each falling back to clip_ratio when None (verl's rule)."""
+    low = config_value(config, "clip_ratio_low", loss=loss, default=None)
+    high = config_value(config, "clip_ratio_high", loss=loss, default=None)
+    if low is None or high is None:
+        clip_ratio = config_value(config, "clip_ratio", loss=loss)
+        low = clip_ratio if low is None else low
+        high = clip_ratio if high is None else high
+    return float(low), float(high)
+
+
+def _log_ratio(*, log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_old) clamped to +-20 as verl does, so exp() cannot overflow."""
+    return torch.clamp(log_prob - old_log_prob, min=-_RATIO_LOG_CLAMP, max=_RATIO_LOG_CLAMP)
+
+
+def _ppo_clip(
+    ratio: torch.Tensor, advantages: torch.Tensor, *, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token and where the clip is active."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    *, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, config: Any, **_: Any
+) -> PolicyTerms:
+    """PPO clipped surrogate with dual clip (verl's ``compute_policy_loss_vanilla``, same formulas).
+
+    Why dual clip: for A < 0 the plain PPO loss ``-A * r`` grows without bound in r; capping it at
+    ``-A * clip_ratio_c`` keeps stale, very unlikely tokens from dominating the update.
+    """
+    name = "vanilla policy loss"
+    low, high = _clip_range(config, loss=name)
+    clip_ratio_c = float(config_value(config, "clip_ratio_c", loss=name, default=3.0))
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip lower bound) must be > 1; got {clip_ratio_c}")
+    log_ratio = _log_ratio(log_prob=log_prob, old_log_prob=old_log_prob)
+    ppo, clipped = _ppo_clip(torch.exp(log_ratio), advantages, low=low, high=high)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    return PolicyTerms(
+        losses=torch.where(negative, torch.minimum(ppo, dual_bound), ppo),
+        log_ratio=log_ratio,
+        clipped=clipped,
+        clipped_lower=(ppo > dual_bound) & negative,
+    )
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any,
+    **_: Any,
+) -> PolicyTerms:
+    """GSPO (https://arxiv.org/abs/2507.18071): PPO clip on the sequence-level ratio, per token.
+
+    The token ratio ``exp(logp - sg(logp) + sg(log s_i))`` has the value of the sequence ratio
+    ``s_i = exp(mean_t(logp - old))`` but the gradient of the token's own log-prob. The log ratio is
+    clamped from above at 10 and not at +-20; aggregation ``seq-mean-token-mean``.
+    """
+    low, high = _clip_range(config, loss="gspo policy loss")
+    log_ratio = log_prob - old_log_prob
+    seq_tokens = response_mask.to(log_ratio.dtype).sum(dim=-1).clamp(min=1.0)
+    seq_log_ratio = masked(log_ratio, response_mask).sum(dim=-1) / seq_tokens
+    log_seq_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    losses, clipped = _ppo_clip(
+        torch.exp(torch.clamp(log_seq_ratio, max=_GSPO_LOG_RATIO_MAX)), advantages, low=low, high=high
+    )
+    return PolicyTerms(
+        losses=losses, log_ratio=log_ratio, clipped=clipped, loss_agg_mode="seq-mean-token-mean"
+    )
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(
+    *, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, **_: Any
+) -> PolicyTerms:
+    """GPG: plain policy gradient ``-logp * A`` (no ratio, no clip); old log-probs only feed ``ppo_kl``."""
+    return PolicyTerms(
+        losses=-log_prob * advantages, log_ratio=_log_ratio(log_prob=log_prob, old_log_prob=old_log_prob)
+    )
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(
+    *, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, config: Any, **_: Any
+) -> PolicyTerms:
+    """SAPO (https://arxiv.org/abs/2511.20347): a smooth sigmoid gate instead of the hard PPO clip.
+
+    Loss ``-(4/tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where A > 0 else ``tau_neg``;
+    its gradient at r = 1 equals the unclipped PPO gradient and fades away from it. Aggregation
+    ``seq-mean-token-mean``; no clip fractions.
+    """
+    name = "sapo policy loss"
+    tau_pos = float(config_value(config, "tau_pos", loss=name))
+    tau_neg = float(config_value(config, "tau_neg", loss=name))
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0; got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    log_ratio = _log_ratio(log_prob=log_prob, old_log_prob=old_log_prob)
+    tau = torch.where(
+        advantages > 0,
+        torch.tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
+        torch.tensor(tau_neg, dtype=advantages.dtype, device=advantages.device),
+    )
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    return PolicyTerms(losses=-gate * advantages, log_ratio=log_ratio, loss_agg_mode="seq-mean-token-mean")
