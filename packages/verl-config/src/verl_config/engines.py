@@ -21,6 +21,7 @@ __all__ = [
     "FSDPEngineConfig",
     "FSDPOptimConfig",
     "McoreEngineConfig",
+    "McoreLayoutConfig",
     "McoreOptimConfig",
     "megatron_optimizer_kwargs",
 ]
@@ -45,18 +46,20 @@ def _default_override_transformer_config() -> dict[str, Any]:
 
 
 @dataclass
-class McoreEngineConfig:
-    """The Megatron engine section (``actor_rollout_ref.actor.megatron``, ``critic.megatron``, ...).
+class _McoreParamOffload:
+    param_offload: bool = False
 
-    Every key of verl's section with verl's defaults, plus Megatron-FSDP and dynamic context
-    parallelism. ``use_dynamic_bsz``, ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``
-    follow the role's own keys inside the PPO config (interpolations); setting them to a different
-    value than the role's is an error rather than a silent tie-break.
+
+@dataclass
+class McoreLayoutConfig(_McoreParamOffload):
+    """The keys every Megatron section shares: parameter offload, the parallel layout, the checkpoint format.
+
+    Declared once for the engine section (:class:`McoreEngineConfig`) and the reward model's
+    (``verl_config.reward.McoreRewardEngineConfig``). ``param_offload`` sits in a base of its own so that
+    McoreEngineConfig can place its grad / optimizer offload keys right after it: dataclass fields follow
+    the bases in reverse MRO order, and both sections keep verl's key order.
     """
 
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
@@ -68,6 +71,33 @@ class McoreEngineConfig:
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: str | None = None
     dist_checkpointing_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for key in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            check_positive(key, getattr(self, key))
+
+
+@dataclass
+class _McoreStateOffload(_McoreParamOffload):
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
+    """The Megatron engine section (``actor_rollout_ref.actor.megatron``, ``critic.megatron``, ...).
+
+    Every key of verl's section with verl's defaults, plus Megatron-FSDP and dynamic context
+    parallelism. ``use_dynamic_bsz``, ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``
+    follow the role's own keys inside the PPO config (interpolations); setting them to a different
+    value than the role's is an error rather than a silent tie-break.
+    """
+
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     packed_attention_backend: str = "auto"
@@ -86,9 +116,7 @@ class McoreEngineConfig:
     micro_batch_size_per_gpu: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            check_positive(key, getattr(self, key))
-        check_positive("expert_model_parallel_size", self.expert_model_parallel_size)
+        super().__post_init__()
         for key in (
             "expert_tensor_parallel_size",
             "virtual_pipeline_model_parallel_size",
