@@ -135,9 +135,10 @@ def test_reward_megatron_section_shares_the_layout_keys_and_their_checks() -> No
     """reward_model.megatron declares the layout keys once with the engine section, in verl's key order."""
     from verl_config.reward import McoreRewardEngineConfig
 
-    reward = McoreRewardEngineConfig()
-    assert [f.name for f in dataclasses.fields(reward)][:2] == ["param_offload", "tensor_model_parallel_size"]
-    assert reward.use_distributed_optimizer is False and McoreEngineConfig().use_distributed_optimizer is True
+    reward = {f.name: f.default for f in dataclasses.fields(McoreRewardEngineConfig)}
+    engine = {f.name: f.default for f in dataclasses.fields(McoreEngineConfig)}
+    assert list(reward)[:2] == ["param_offload", "tensor_model_parallel_size"]
+    assert reward["use_distributed_optimizer"] is False and engine["use_distributed_optimizer"] is True
     for bad in ({"context_parallel_size": 0}, {"expert_model_parallel_size": 0}, {"dtype": "fp8"}):
         with pytest.raises(ConfigValueError, match=next(iter(bad))):
             McoreRewardEngineConfig(**bad)
