@@ -14,7 +14,7 @@ from verl_config.errors import ConfigValueError
 from verl_config.model import ModelConfig
 from verl_config.profiler import ProfilerConfig
 from verl_config.rollout import FSDPRolloutConfig, RolloutConfig
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys
 
 __all__ = [
     "ActorConfig",
@@ -115,16 +115,15 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2", "megatron"))
-        for key in ("ppo_mini_batch_size", "ppo_epochs"):
-            check_positive(key, getattr(self, key))
-        for key in (
+        check_positive_keys(self, "ppo_mini_batch_size", "ppo_epochs")
+        check_positive_keys(
+            self,
             "ppo_micro_batch_size",
             "ppo_micro_batch_size_per_gpu",
             "ppo_max_token_len_per_gpu",
             "loss_scale_factor",
-        ):
-            if getattr(self, key) is not None:
-                check_positive(key, getattr(self, key))
+            optional=True,
+        )
         if self.use_dynamic_bsz is True and self.ppo_max_token_len_per_gpu is None:
             raise ConfigValueError(
                 "ppo_max_token_len_per_gpu",

@@ -11,7 +11,7 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_unit_interval
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -152,8 +152,7 @@ class AlgorithmConfig:
         registry_note("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         check_kl_type("kl_penalty", self.kl_penalty)
         for key in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ConfigValueError(key, f"must be in [0, 1]; got {getattr(self, key)}")
+            check_unit_interval(key, getattr(self, key))
         method = (self.pf_ppo or {}).get("reweight_method")
         if method is not None:
             check_choice("pf_ppo.reweight_method", method, ("pow", "max_min", "max_random"))

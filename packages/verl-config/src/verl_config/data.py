@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys
 
 __all__ = ["DataConfig"]
 
@@ -50,14 +50,14 @@ class DataConfig:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for key in (
+        check_positive_keys(
+            self,
             "max_prompt_length",
             "max_response_length",
             "train_batch_size",
             "filter_overlong_prompts_workers",
             "image_patch_size",
-        ):
-            check_positive(key, getattr(self, key))
+        )
         check_positive("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True)
         if self.gen_batch_size is not None:
             check_positive("gen_batch_size", self.gen_batch_size)

@@ -13,7 +13,13 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
+from verl_config.validation import (
+    check_choice,
+    check_dynamic_context_parallel,
+    check_positive,
+    check_positive_keys,
+    check_unit_interval,
+)
 
 __all__ = [
     "DTYPES",
@@ -73,13 +79,13 @@ class McoreLayoutConfig(_McoreParamOffload):
     dist_checkpointing_prefix: str = ""
 
     def __post_init__(self) -> None:
-        for key in (
+        check_positive_keys(
+            self,
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
-        ):
-            check_positive(key, getattr(self, key))
+        )
 
 
 @dataclass
@@ -117,13 +123,13 @@ class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in (
+        check_positive_keys(
+            self,
             "expert_tensor_parallel_size",
             "virtual_pipeline_model_parallel_size",
             "micro_batch_size_per_gpu",
-        ):
-            if getattr(self, key) is not None:
-                check_positive(key, getattr(self, key))
+            optional=True,
+        )
         if self.max_token_len_per_gpu is not None:
             check_positive("max_token_len_per_gpu", self.max_token_len_per_gpu)
         check_choice("dtype", self.dtype, DTYPES)
@@ -350,8 +356,7 @@ def _check_optim_common(cfg: Any) -> None:
         raise ConfigValueError("betas", f"must be two numbers (beta1, beta2); got {list(cfg.betas)}")
     if not all(0.0 <= b < 1.0 for b in cfg.betas) and adjusting():
         note("betas", f"{list(cfg.betas)} are outside [0, 1): Adam's moment estimates will not converge")
-    if not 0.0 <= cfg.lr_warmup_steps_ratio <= 1.0:
-        raise ConfigValueError("lr_warmup_steps_ratio", f"must be in [0, 1]; got {cfg.lr_warmup_steps_ratio}")
+    check_unit_interval("lr_warmup_steps_ratio", cfg.lr_warmup_steps_ratio)
     if cfg.lr_warmup_steps is not None and cfg.lr_warmup_steps < -1:
         raise ConfigValueError(
             "lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}"
@@ -388,8 +393,8 @@ class FSDPOptimConfig:
         check_choice("lr_scheduler_type", self.lr_scheduler_type, ("constant", "cosine"))
         if self.warmup_style is not None:
             check_choice("warmup_style", self.warmup_style, ("constant", "cosine"))
-        if self.min_lr_ratio is not None and not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigValueError("min_lr_ratio", f"must be in [0, 1]; got {self.min_lr_ratio}")
+        if self.min_lr_ratio is not None:
+            check_unit_interval("min_lr_ratio", self.min_lr_ratio)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from verl_config.errors import ConfigValueError
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_unit_interval
 
 __all__ = [
     "DEFAULT_LORA_ALPHA",
@@ -145,8 +145,7 @@ class LoraConfig:
         check_positive("rank", self.rank, allow_zero=True)
         if self.rank > 0:  # alpha only scales adapters that exist; with LoRA off any value is accepted
             check_positive("alpha", self.alpha)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigValueError("dropout", f"must be in [0, 1); got {self.dropout}")
+        check_unit_interval("dropout", self.dropout, open_high=True)
         check_choice("dropout_position", self.dropout_position, ("pre", "post"))
         check_choice("lora_A_init_method", self.lora_A_init_method, ("xavier", "normal", "kaiming", "zero"))
         check_choice("lora_B_init_method", self.lora_B_init_method, ("zero", "normal", "xavier", "kaiming"))

@@ -77,16 +77,7 @@ def check_batches(
         log_prob_roles.insert(0, ("actor_rollout_ref.ref", arr.ref))
     for role, section in log_prob_roles:
         with errors:
-            check_micro(
-                role=role,
-                mini=None,
-                dp=actor_dp,
-                global_key="log_prob_micro_batch_size",
-                per_gpu_key="log_prob_micro_batch_size_per_gpu",
-                section=section,
-                dynamic=section.log_prob_use_dynamic_bsz,
-                dynamic_key="log_prob_use_dynamic_bsz",
-            )
+            check_micro(role=role, section=section, kind="log_prob", mini=None, dp=actor_dp)
     if uses_critic:
         if not critic.use_dynamic_bsz and data.train_batch_size < critic.ppo_mini_batch_size:
             errors.add(
@@ -97,7 +88,8 @@ def check_batches(
                 )
             )
         with errors:
-            _check_ppo_micro(role="critic", section=critic, rollout_n=arr.rollout.n, dp=critic_dp)
+            mini = critic.ppo_mini_batch_size * arr.rollout.n
+            check_micro(role="critic", section=critic, kind="ppo", mini=mini, dp=critic_dp)
     actor = arr.actor
     longest = data.max_prompt_length + data.max_response_length
     if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < longest:
@@ -127,24 +119,11 @@ def _check_actor_batches(
             note("actor_rollout_ref.actor.ppo_mini_batch_size", message)
     found = len(errors.errors)
     with errors:
-        _check_ppo_micro(role="actor_rollout_ref.actor", section=actor, rollout_n=arr.rollout.n, dp=actor_dp)
+        mini = actor.ppo_mini_batch_size * arr.rollout.n
+        check_micro(role="actor_rollout_ref.actor", section=actor, kind="ppo", mini=mini, dp=actor_dp)
     if not actor.use_dynamic_bsz and len(errors.errors) == found:  # needs a valid micro-batch size
         with errors:
             _check_step_batch(data=data, arr=arr, world=world, actor_dp=actor_dp)
-
-
-def _check_ppo_micro(*, role: str, section: Any, rollout_n: int, dp: int) -> None:
-    """The micro-batch rules of a training role (actor or critic): its mini-batch is in prompts."""
-    check_micro(
-        role=role,
-        mini=section.ppo_mini_batch_size * rollout_n,
-        dp=dp,
-        global_key="ppo_micro_batch_size",
-        per_gpu_key="ppo_micro_batch_size_per_gpu",
-        section=section,
-        dynamic=section.use_dynamic_bsz,
-        dynamic_key="use_dynamic_bsz",
-    )
 
 
 def _check_step_batch(*, data: DataConfig, arr: ActorRolloutRefConfig, world: int, actor_dp: int) -> None:
@@ -244,22 +223,26 @@ def check_remove_padding(*, arr: ActorRolloutRefConfig, critic: CriticConfig, us
             )
 
 
-def check_micro(
-    *,
-    role: str,
-    mini: int | None,
-    dp: int,
-    global_key: str,
-    per_gpu_key: str,
-    section: Any,
-    dynamic: bool,
-    dynamic_key: str,
-) -> None:
+# A role's micro-batch keys: (deprecated global size, per-GPU size, dynamic batch size switch).
+_MICRO_KEYS = {
+    "ppo": ("ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz"),  # actor, critic
+    "log_prob": (  # ref, rollout
+        "log_prob_micro_batch_size",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_use_dynamic_bsz",
+    ),
+}
+
+
+def check_micro(*, role: str, section: Any, kind: str, mini: int | None, dp: int) -> None:
     """verl's micro-batch rules: one spelling at a time, set unless dynamic, and dividing the mini-batch.
 
-    ``mini`` is the role's mini-batch in sequences (prompts x rollout.n) over all DP ranks; the
-    deprecated global micro-batch size is converted to the per-GPU one (must divide by DP).
+    ``kind`` picks the keys (``ppo`` for a training role, ``log_prob`` for ref and rollout). ``mini`` is
+    the role's mini-batch in sequences (prompts x rollout.n) over all DP ranks; the deprecated global
+    micro-batch size is converted to the per-GPU one (must divide by DP).
     """
+    global_key, per_gpu_key, dynamic_key = _MICRO_KEYS[kind]
+    dynamic = getattr(section, dynamic_key)
     global_value = getattr(section, global_key)
     per_gpu = getattr(section, per_gpu_key)
     if global_value is not None and per_gpu is not None:

@@ -13,7 +13,7 @@ from typing import Any
 from verl_config.engines import DTYPES, McoreLayoutConfig
 from verl_config.errors import ConfigValueError
 from verl_config.profiler import ProfilerConfig
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
 __all__ = [
     "CustomRewardFunctionConfig",
@@ -97,12 +97,8 @@ class RewardRolloutConfig:
     response_length: int = 2048
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigValueError(
-                "gpu_memory_utilization", f"must be in (0, 1]; got {self.gpu_memory_utilization}"
-            )
-        for key in ("data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size"):
-            check_positive(key, getattr(self, key))
+        check_unit_interval("gpu_memory_utilization", self.gpu_memory_utilization, open_low=True)
+        check_positive_keys(self, "data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size")
 
 
 @dataclass
