@@ -165,17 +165,7 @@ class TrainerConfig:
                 )
             )
         if actor_dp is not None and critic_dp is not None:  # the batch rules need the DP sizes
-            check_batches(
-                data=self.data,
-                arr=arr,
-                critic=self.critic,
-                uses_reference_policy=self.uses_reference_policy,
-                uses_critic=self.uses_critic,
-                world=world,
-                actor_dp=actor_dp,
-                critic_dp=critic_dp,
-                errors=errors,
-            )
+            check_batches(cfg=self, actor_dp=actor_dp, critic_dp=critic_dp, errors=errors)
         with errors:
             check_engine_ties(arr=arr, critic=self.critic)
         with errors:

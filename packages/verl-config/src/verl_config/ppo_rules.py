@@ -58,27 +58,17 @@ def check_role_layout(*, path: str, role: Any, world: int) -> int:
     return world // sp
 
 
-def check_batches(
-    *,
-    data: DataConfig,
-    arr: ActorRolloutRefConfig,
-    critic: CriticConfig,
-    uses_reference_policy: bool,
-    uses_critic: bool,
-    world: int,
-    actor_dp: int,
-    critic_dp: int,
-    errors: ErrorCollector,
-) -> None:
-    """The batch rules of each role, checked independently (each error goes to ``errors``)."""
-    _check_actor_batches(data=data, arr=arr, world=world, actor_dp=actor_dp, errors=errors)
+def check_batches(*, cfg: Any, actor_dp: int, critic_dp: int, errors: ErrorCollector) -> None:
+    """The batch rules of each role of ``cfg`` (a TrainerConfig), checked independently (each error goes to ``errors``)."""
+    data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
+    _check_actor_batches(data=data, arr=arr, world=cfg.trainer.world_size, actor_dp=actor_dp, errors=errors)
     log_prob_roles = [("actor_rollout_ref.rollout", arr.rollout)]
-    if uses_reference_policy:
+    if cfg.uses_reference_policy:
         log_prob_roles.insert(0, ("actor_rollout_ref.ref", arr.ref))
     for role, section in log_prob_roles:
         with errors:
             check_micro(role=role, section=section, kind="log_prob", mini=None, dp=actor_dp)
-    if uses_critic:
+    if cfg.uses_critic:
         if not critic.use_dynamic_bsz and data.train_batch_size < critic.ppo_mini_batch_size:
             errors.add(
                 ConfigValueError(
