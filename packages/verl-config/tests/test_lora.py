@@ -11,6 +11,7 @@ from verl_config import (
     DEFAULT_LORA_ALPHA,
     ConfigValueError,
     LoraConfig,
+    TrainerConfig,
     load_config,
     translate_target_modules,
 )
@@ -142,26 +143,29 @@ def test_lora_block_validation() -> None:
         _load(f"{M}.lora.type=ia3")
 
 
-def test_legacy_grad_clip_is_optim_clip_grad() -> None:
-    cfg, warned = _load("actor_rollout_ref.actor.grad_clip=0.5", engine="fsdp")
-    assert cfg.actor_rollout_ref.actor.optim.clip_grad == 0.5
-    assert any("grad_clip is deprecated" in w for w in warned)
+def _legacy_spelling(legacy: str, canonical: str, *, warning: str) -> TrainerConfig:
+    """Load ``legacy`` alone (moved with a warning), then check that it conflicts with ``canonical``."""
+    cfg, warned = _load(legacy, engine="fsdp")
+    assert any(warning in w for w in warned)
     with pytest.raises(ConfigValueError, match="two spellings of one setting"):
-        _load(
-            "actor_rollout_ref.actor.grad_clip=0.5",
-            "actor_rollout_ref.actor.optim.clip_grad=2.0",
-            engine="fsdp",
-        )
+        _load(legacy, canonical, engine="fsdp")
+    return cfg
+
+
+def test_legacy_grad_clip_is_optim_clip_grad() -> None:
+    cfg = _legacy_spelling(
+        "actor_rollout_ref.actor.grad_clip=0.5",
+        "actor_rollout_ref.actor.optim.clip_grad=2.0",
+        warning="grad_clip is deprecated",
+    )
+    assert cfg.actor_rollout_ref.actor.optim.clip_grad == 0.5
 
 
 def test_legacy_warmup_style_is_lr_scheduler_type() -> None:
-    cfg, warned = _load("actor_rollout_ref.actor.optim.warmup_style=cosine", engine="fsdp")
+    cfg = _legacy_spelling(
+        "actor_rollout_ref.actor.optim.warmup_style=cosine",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+        warning="optim.warmup_style is deprecated",
+    )
     optim = cfg.actor_rollout_ref.actor.optim
     assert (optim.lr_scheduler_type, optim.warmup_style) == ("cosine", None)
-    assert any("optim.warmup_style is deprecated" in w for w in warned)
-    with pytest.raises(ConfigValueError, match="two spellings of one setting"):
-        _load(
-            "actor_rollout_ref.actor.optim.warmup_style=cosine",
-            "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
-            engine="fsdp",
-        )

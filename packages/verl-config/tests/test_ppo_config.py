@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -128,6 +129,19 @@ def test_reference_section_follows_the_actor_layout_and_never_trains() -> None:
     assert ref.forward_only is True
     assert ref.wrap_config_kwargs()["wrap_with_ddp"] is False
     assert cfg.actor_rollout_ref.actor.megatron.wrap_config_kwargs()["wrap_with_ddp"] is True
+
+
+def test_reward_megatron_section_shares_the_layout_keys_and_their_checks() -> None:
+    """reward_model.megatron declares the layout keys once with the engine section, in verl's key order."""
+    from verl_config.reward import McoreRewardEngineConfig
+
+    reward = {f.name: f.default for f in dataclasses.fields(McoreRewardEngineConfig)}
+    engine = {f.name: f.default for f in dataclasses.fields(McoreEngineConfig)}
+    assert list(reward)[:2] == ["param_offload", "tensor_model_parallel_size"]
+    assert reward["use_distributed_optimizer"] is False and engine["use_distributed_optimizer"] is True
+    for bad in ({"context_parallel_size": 0}, {"expert_model_parallel_size": 0}, {"dtype": "fp8"}):
+        with pytest.raises(ConfigValueError, match=next(iter(bad))):
+            McoreRewardEngineConfig(**bad)
 
 
 def test_other_section_defaults() -> None:

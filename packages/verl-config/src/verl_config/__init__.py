@@ -8,7 +8,19 @@ translation, the override parser, the generated reference configs, the error typ
 
 from importlib import metadata as _metadata
 
+from verl_config.actor import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    FSDPActorConfig,
+    FSDPRefConfig,
+    McoreActorConfig,
+    McoreRefConfig,
+    RefConfig,
+)
+from verl_config.algorithm import AlgorithmConfig
 from verl_config.compose import ENTRIES, compose_config, default_tree, load_config
+from verl_config.critic import CriticConfig, FSDPCriticConfig, McoreCriticConfig
+from verl_config.data import DataConfig
 from verl_config.engines import (
     DTYPES,
     MEGATRON_FSDP_SHARDING_STRATEGIES,
@@ -40,27 +52,12 @@ from verl_config.lora import (
     LoraConfig,
     translate_target_modules,
 )
+from verl_config.model import ModelConfig
 from verl_config.notes import ConfigNote, config_notes
 from verl_config.overrides import Override, format_value, parse_override, parse_value
-from verl_config.ppo import (
-    MODEL_ENGINES,
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    FSDPActorConfig,
-    FSDPCriticConfig,
-    FSDPRefConfig,
-    McoreActorConfig,
-    McoreCriticConfig,
-    McoreRefConfig,
-    ModelConfig,
-    RefConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from verl_config.ppo import MODEL_ENGINES, TrainerConfig
+from verl_config.rollout import RolloutConfig
+from verl_config.run import RunConfig
 from verl_config.sft import (
     MODEL_PRESETS,
     SFTConfig,

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl_config.actor import ActorRolloutRefConfig, McoreActorConfig, McoreRefConfig
+from verl_config.critic import McoreCriticConfig
 from verl_config.errors import ConfigError, ConfigKeyError, ConfigValueError, ErrorCollector
 from verl_config.loader import KeyHint, apply_override, build_typed, explicit_keys, merge_layer, read_yaml
 from verl_config.lora import (
@@ -28,14 +30,7 @@ from verl_config.lora import (
 )
 from verl_config.notes import defaults_only, warn_once
 from verl_config.overrides import Override, parse_override
-from verl_config.ppo import (
-    MODEL_ENGINES,
-    ActorRolloutRefConfig,
-    McoreActorConfig,
-    McoreCriticConfig,
-    McoreRefConfig,
-    TrainerConfig,
-)
+from verl_config.ppo import MODEL_ENGINES, TrainerConfig
 from verl_config.reward import McoreRewardModelConfig
 from verl_config.rollout import McoreRolloutConfig
 from verl_config.tree_cache import cached_bytes

@@ -13,7 +13,13 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_dynamic_context_parallel, check_positive
+from verl_config.validation import (
+    check_choice,
+    check_dynamic_context_parallel,
+    check_positive,
+    check_positive_keys,
+    check_unit_interval,
+)
 
 __all__ = [
     "DTYPES",
@@ -21,6 +27,7 @@ __all__ = [
     "FSDPEngineConfig",
     "FSDPOptimConfig",
     "McoreEngineConfig",
+    "McoreLayoutConfig",
     "McoreOptimConfig",
     "megatron_optimizer_kwargs",
 ]
@@ -45,18 +52,20 @@ def _default_override_transformer_config() -> dict[str, Any]:
 
 
 @dataclass
-class McoreEngineConfig:
-    """The Megatron engine section (``actor_rollout_ref.actor.megatron``, ``critic.megatron``, ...).
+class _McoreParamOffload:
+    param_offload: bool = False
 
-    Every key of verl's section with verl's defaults, plus Megatron-FSDP and dynamic context
-    parallelism. ``use_dynamic_bsz``, ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``
-    follow the role's own keys inside the PPO config (interpolations); setting them to a different
-    value than the role's is an error rather than a silent tie-break.
+
+@dataclass
+class McoreLayoutConfig(_McoreParamOffload):
+    """The keys every Megatron section shares: parameter offload, the parallel layout, the checkpoint format.
+
+    Declared once for the engine section (:class:`McoreEngineConfig`) and the reward model's
+    (``verl_config.reward.McoreRewardEngineConfig``). ``param_offload`` sits in a base of its own so that
+    McoreEngineConfig can place its grad / optimizer offload keys right after it: dataclass fields follow
+    the bases in reverse MRO order, and both sections keep verl's key order.
     """
 
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
@@ -68,6 +77,33 @@ class McoreEngineConfig:
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: str | None = None
     dist_checkpointing_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        check_positive_keys(
+            self,
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        )
+
+
+@dataclass
+class _McoreStateOffload(_McoreParamOffload):
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
+    """The Megatron engine section (``actor_rollout_ref.actor.megatron``, ``critic.megatron``, ...).
+
+    Every key of verl's section with verl's defaults, plus Megatron-FSDP and dynamic context
+    parallelism. ``use_dynamic_bsz``, ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``
+    follow the role's own keys inside the PPO config (interpolations); setting them to a different
+    value than the role's is an error rather than a silent tie-break.
+    """
+
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     packed_attention_backend: str = "auto"
@@ -86,16 +122,14 @@ class McoreEngineConfig:
     micro_batch_size_per_gpu: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            check_positive(key, getattr(self, key))
-        check_positive("expert_model_parallel_size", self.expert_model_parallel_size)
-        for key in (
+        super().__post_init__()
+        check_positive_keys(
+            self,
             "expert_tensor_parallel_size",
             "virtual_pipeline_model_parallel_size",
             "micro_batch_size_per_gpu",
-        ):
-            if getattr(self, key) is not None:
-                check_positive(key, getattr(self, key))
+            optional=True,
+        )
         if self.max_token_len_per_gpu is not None:
             check_positive("max_token_len_per_gpu", self.max_token_len_per_gpu)
         check_choice("dtype", self.dtype, DTYPES)
@@ -322,8 +356,7 @@ def _check_optim_common(cfg: Any) -> None:
         raise ConfigValueError("betas", f"must be two numbers (beta1, beta2); got {list(cfg.betas)}")
     if not all(0.0 <= b < 1.0 for b in cfg.betas) and adjusting():
         note("betas", f"{list(cfg.betas)} are outside [0, 1): Adam's moment estimates will not converge")
-    if not 0.0 <= cfg.lr_warmup_steps_ratio <= 1.0:
-        raise ConfigValueError("lr_warmup_steps_ratio", f"must be in [0, 1]; got {cfg.lr_warmup_steps_ratio}")
+    check_unit_interval("lr_warmup_steps_ratio", cfg.lr_warmup_steps_ratio)
     if cfg.lr_warmup_steps is not None and cfg.lr_warmup_steps < -1:
         raise ConfigValueError(
             "lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0; got {cfg.lr_warmup_steps}"
@@ -360,8 +393,8 @@ class FSDPOptimConfig:
         check_choice("lr_scheduler_type", self.lr_scheduler_type, ("constant", "cosine"))
         if self.warmup_style is not None:
             check_choice("warmup_style", self.warmup_style, ("constant", "cosine"))
-        if self.min_lr_ratio is not None and not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigValueError("min_lr_ratio", f"must be in [0, 1]; got {self.min_lr_ratio}")
+        if self.min_lr_ratio is not None:
+            check_unit_interval("min_lr_ratio", self.min_lr_ratio)
 
 
 @dataclass

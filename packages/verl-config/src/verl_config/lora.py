@@ -1,20 +1,8 @@
 """The LoRA block: one canonical spelling, the legacy flat keys mapped into it, module names per engine.
 
-verl grew two spellings of LoRA: flat keys on the model (``lora_rank: 0``, ``lora_alpha: 16``,
-``target_modules: all-linear``, used by the FSDP engine) and a structured ``lora`` block (alpha 32,
-megatron-core module names, used by the Megatron engine). The same run could therefore get a
-different scaling depending on which spelling the user happened to know. Here the ``lora`` block is
-canonical and has ONE default for alpha, 32, for both engines:
-
-* it is the structured block's default, so nobody who already writes the canonical spelling sees a
-  silent change (the flat-key users who relied on the implicit 16 are exactly the ones who get the
-  deprecation warning, and it tells them to write ``lora.alpha=16`` to keep their old scaling);
-* it is Megatron-Bridge's default, the other major megatron-core LoRA implementation.
-
-Module names differ per engine: Hugging Face models have separate ``q_proj``/``k_proj``/``v_proj``
-and ``gate_proj``/``up_proj``; megatron-core fuses them into ``linear_qkv`` and ``linear_fc1``.
-:func:`translate_target_modules` converts either spelling into the engine's, and refuses a partial
-fused group on megatron (LoRA on q_proj alone cannot be expressed on a fused QKV projection).
+The ``lora`` block is canonical, with one alpha default (32) for both engines; the flat keys move into it
+with a warning. :func:`translate_target_modules` turns Hugging Face or megatron-core module names into the
+engine's (megatron fuses q/k/v and gate/up). Why alpha is 32: the package README, section LoRA.
 """
 
 from __future__ import annotations
@@ -23,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from verl_config.errors import ConfigValueError
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_unit_interval
 
 __all__ = [
     "DEFAULT_LORA_ALPHA",
@@ -145,8 +133,7 @@ class LoraConfig:
         check_positive("rank", self.rank, allow_zero=True)
         if self.rank > 0:  # alpha only scales adapters that exist; with LoRA off any value is accepted
             check_positive("alpha", self.alpha)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigValueError("dropout", f"must be in [0, 1); got {self.dropout}")
+        check_unit_interval("dropout", self.dropout, open_high=True)
         check_choice("dropout_position", self.dropout_position, ("pre", "post"))
         check_choice("lora_A_init_method", self.lora_A_init_method, ("xavier", "normal", "kaiming", "zero"))
         check_choice("lora_B_init_method", self.lora_B_init_method, ("zero", "normal", "xavier", "kaiming"))

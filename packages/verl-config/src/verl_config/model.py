@@ -15,7 +15,7 @@ from typing import Any
 from verl_config.engines import FSDPEngineConfig
 from verl_config.errors import ConfigValueError
 from verl_config.lora import LoraConfig
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys
 
 __all__ = [
     "BaseModelConfig",
@@ -57,13 +57,13 @@ class MtpConfig:
                     " mtp.enable=true (the model must have MTP layers) or set the flag to false",
                 )
         check_positive("mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, allow_zero=True)
-        for key in (
+        check_positive_keys(
+            self,
             "speculative_num_steps",
             "speculative_eagle_topk",
             "speculative_num_draft_tokens",
             "num_speculative_tokens",
-        ):
-            check_positive(key, getattr(self, key))
+        )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -156,31 +157,14 @@ class _ValueParser:
         return self.parse_unquoted("," if top_level else stops)
 
     def parse_list(self) -> list[Any]:
-        self.pos += 1
         items: list[Any] = []
-        self.skip_ws()
-        if self.peek() == "]":
-            self.pos += 1
-            return items
-        while True:
-            items.append(self.parse_element())
-            self.skip_ws()
-            ch = self.peek()
-            self.pos += 1
-            if ch == "]":
-                return items
-            if ch != ",":
-                self.pos -= 1
-                self.fail("expected ',' or ']' in list")
+        self.parse_items("]", "list", lambda: items.append(self.parse_element()))
+        return items
 
     def parse_dict(self) -> dict[str, Any]:
-        self.pos += 1
         out: dict[str, Any] = {}
-        self.skip_ws()
-        if self.peek() == "}":
-            self.pos += 1
-            return out
-        while True:
+
+        def entry() -> None:
             self.skip_ws()
             key = self.parse_quoted() if self.peek() in ("'", '"') else self.parse_unquoted(":,}")
             if not isinstance(key, str) or not key:
@@ -190,14 +174,27 @@ class _ValueParser:
                 self.fail(f"expected ':' after dict key {key!r}")
             self.pos += 1
             out[str(key)] = self.parse_element()
+
+        self.parse_items("}", "dict", entry)
+        return out
+
+    def parse_items(self, close: str, what: str, parse_item: Callable[[], None]) -> None:
+        """The items of a list or dict, separated by ',' up to ``close``; ``pos`` is at the opening bracket."""
+        self.pos += 1
+        self.skip_ws()
+        if self.peek() == close:
+            self.pos += 1
+            return
+        while True:
+            parse_item()
             self.skip_ws()
             ch = self.peek()
             self.pos += 1
-            if ch == "}":
-                return out
+            if ch == close:
+                return
             if ch != ",":
                 self.pos -= 1
-                self.fail("expected ',' or '}' in dict")
+                self.fail(f"expected ',' or '{close}' in {what}")
 
     def parse_quoted(self) -> str:
         quote = self.text[self.pos]

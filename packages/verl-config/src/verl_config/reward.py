@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_config.engines import DTYPES, McoreLayoutConfig
 from verl_config.errors import ConfigValueError
 from verl_config.profiler import ProfilerConfig
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
 __all__ = [
     "CustomRewardFunctionConfig",
@@ -96,12 +97,8 @@ class RewardRolloutConfig:
     response_length: int = 2048
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigValueError(
-                "gpu_memory_utilization", f"must be in (0, 1]; got {self.gpu_memory_utilization}"
-            )
-        for key in ("data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size"):
-            check_positive(key, getattr(self, key))
+        check_unit_interval("gpu_memory_utilization", self.gpu_memory_utilization, open_low=True)
+        check_positive_keys(self, "data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size")
 
 
 @dataclass
@@ -142,21 +139,10 @@ _ACTOR_MCORE = "actor_rollout_ref.actor.megatron"
 
 
 @dataclass
-class McoreRewardEngineConfig:
+class McoreRewardEngineConfig(McoreLayoutConfig):
     """Megatron layout of a reward model (``reward_model.megatron``; forward only, no optimizer state)."""
 
-    param_offload: bool = False
-    tensor_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = True
     use_distributed_optimizer: bool = False
-    use_dist_checkpointing: bool = False
-    dist_checkpointing_path: str | None = None
-    dist_checkpointing_prefix: str = ""
     seed: int = f"${{{_ACTOR_MCORE}.seed}}"  # type: ignore[assignment]
     override_transformer_config: dict[str, Any] = f"${{{_ACTOR_MCORE}.override_transformer_config}}"  # type: ignore[assignment]
     use_mbridge: bool = f"${{{_ACTOR_MCORE}.use_mbridge}}"  # type: ignore[assignment]
@@ -165,14 +151,8 @@ class McoreRewardEngineConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for key in (
-            "tensor_model_parallel_size",
-            "expert_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-        ):
-            check_positive(key, getattr(self, key))
-        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        super().__post_init__()
+        check_choice("dtype", self.dtype, DTYPES)
 
 
 def _reward_profiler() -> ProfilerConfig:

@@ -13,7 +13,7 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.profiler import ProfilerConfig
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
 __all__ = [
     "ROLLOUT_NAMES",
@@ -197,17 +197,14 @@ class RolloutConfig:
             )
         check_choice("mode", self.mode, ("async",))
         check_positive("n", self.n)
-        for key in (
+        check_positive_keys(
+            self,
             "tensor_model_parallel_size",
             "data_parallel_size",
             "expert_parallel_size",
             "pipeline_model_parallel_size",
-        ):
-            check_positive(key, getattr(self, key))
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigValueError(
-                "gpu_memory_utilization", f"must be in (0, 1]; got {self.gpu_memory_utilization}"
-            )
+        )
+        check_unit_interval("gpu_memory_utilization", self.gpu_memory_utilization, open_low=True)
         check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.logprobs_mode is not None:
             check_choice(

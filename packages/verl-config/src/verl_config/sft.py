@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_config.engines import McoreEngineConfig, megatron_optimizer_kwargs
 from verl_config.errors import ConfigValueError
-from verl_config.validation import check_choice, check_positive
+from verl_config.validation import check_choice, check_positive, check_positive_keys
 
 __all__ = [
     "MODEL_PRESETS",
@@ -92,8 +92,7 @@ class SFTDataConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for key in ("train_batch_size", "micro_batch_size_per_gpu", "max_length"):
-            check_positive(key, getattr(self, key))
+        check_positive_keys(self, "train_batch_size", "micro_batch_size_per_gpu", "max_length")
         if self.max_length < 16:
             raise ConfigValueError("max_length", f"must be >= 16 to hold one problem; got {self.max_length}")
 

@@ -6,7 +6,14 @@ from collections.abc import Iterable
 
 from verl_config.errors import ConfigValueError
 
-__all__ = ["check_choice", "check_dynamic_context_parallel", "check_parallel_layout", "check_positive"]
+__all__ = [
+    "check_choice",
+    "check_dynamic_context_parallel",
+    "check_parallel_layout",
+    "check_positive",
+    "check_positive_keys",
+    "check_unit_interval",
+]
 
 
 def _unresolved(value: object) -> bool:
@@ -25,6 +32,23 @@ def check_positive(key: str, value: int | float, *, allow_zero: bool = False) ->
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigValueError(key, f"must be {bound}, got {value!r}")
+
+
+def check_positive_keys(section: object, *keys: str, optional: bool = False) -> None:
+    """:func:`check_positive` on each of ``keys`` of ``section``; with ``optional`` a null value is accepted."""
+    for key in keys:
+        value = getattr(section, key)
+        if not (optional and value is None):
+            check_positive(key, value)
+
+
+def check_unit_interval(key: str, value: float, *, open_low: bool = False, open_high: bool = False) -> None:
+    """Raise ConfigValueError unless ``value`` lies in [0, 1]; ``open_low`` / ``open_high`` exclude 0 / 1."""
+    low_ok = value > 0.0 if open_low else value >= 0.0
+    high_ok = value < 1.0 if open_high else value <= 1.0
+    if not (low_ok and high_ok):
+        interval = f"{'(' if open_low else '['}0, 1{')' if open_high else ']'}"
+        raise ConfigValueError(key, f"must be in {interval}; got {value}")
 
 
 def check_choice(key: str, value: object, choices: Iterable[object]) -> None:

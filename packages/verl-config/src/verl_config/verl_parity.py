@@ -1,22 +1,8 @@
 """Key-by-key comparison of our schema with verl's own configuration, and the short list of differences we keep.
 
-verl-config promises that a verl launch command means the same here. That promise is checked
-mechanically against a pinned verl commit (:data:`VERL_REFERENCE_COMMIT`): verl's generated full
-configs (``_generated_ppo_trainer.yaml`` / ``_generated_ppo_megatron_trainer.yaml``) give every
-key and default, and verl's config dataclasses (read from its source by
-``scripts/refresh_verl_reference.py``) give the types. :func:`compare_with_verl` lists every
-mismatch; a test requires each one to be covered by a row of :data:`INTENTIONAL_DIFFERENCES`, and
-each row to still be needed. Following a newer verl is then: refresh the data, run the test, fix
-or document what it lists.
-
-Rules of the comparison:
-- a verl key missing from our tree is always an error (never excusable);
-- defaults compare equal after normalising interpolations (``${oc.select:a.b,1}`` and ``${a.b}``
-  both mean "follows a.b"; relative ``${.x}`` is made absolute);
-- types: every kind of value verl's annotation admits (int, float, str, bool, list, dict, None) must
-  be admitted by ours (an int where verl has float is not; a float where verl has int is);
-- a key of ours that verl's yaml lacks is fine when it is a field of verl's dataclass for that
-  section (set by verl at run time, e.g. ``megatron.use_dynamic_bsz``); otherwise it must be listed.
+:func:`compare_with_verl` lists every mismatch with the pinned verl commit (:data:`VERL_REFERENCE_COMMIT`); a test
+requires each to be covered by a row of :data:`INTENTIONAL_DIFFERENCES`, and each row to still be needed. The rules
+of the comparison are in the package README ("Same keys as verl, checked mechanically").
 """
 
 from __future__ import annotations

@@ -1,0 +1,158 @@
+"""The ``algorithm`` section and verl's registries of estimators, policy losses and KL estimators.
+
+verl looks estimators and policy losses up in registries that user code can extend, so an unknown
+name there is a note, not an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_config.errors import ConfigValueError
+from verl_config.notes import adjusting, note
+from verl_config.validation import check_choice, check_positive, check_unit_interval
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
+    "AlgorithmConfig",
+    "FilterGroupsConfig",
+    "KLControlConfig",
+    "RolloutCorrectionConfig",
+    "check_kl_type",
+    "registry_note",
+]
+
+# verl's built-in advantage estimators (verl/trainer/ppo/core_algos.py AdvantageEstimator). verl
+# looks names up in a registry that user code can extend, so an unknown name is a note, not an error.
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+    "opo",
+    "grpo_passk",
+    "gpg",
+    "rloo_vectorized",
+    "grpo_vectorized",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+)
+# verl's registered policy losses (register_policy_loss); extendable like the estimators.
+POLICY_LOSS_MODES = (
+    "vanilla",
+    "gspo",
+    "sapo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "cispo",
+    "bypass_mode",
+)
+# Estimators that compare several responses to the same prompt: meaningless with rollout.n == 1.
+GROUP_ESTIMATORS = (
+    "grpo",
+    "rloo",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "reinforce_plus_plus_baseline",
+    "rloo_vectorized",
+    "grpo_vectorized",
+)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+# KL estimators of verl's kl_penalty; a trailing '+' selects the straight-through k2 gradient.
+_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+
+
+def check_kl_type(key: str, value: str) -> None:
+    """A KL estimator name as verl's kl_penalty takes it (``low_var_kl``, ``k3+`` ...)."""
+    check_choice(key, value[:-1] if isinstance(value, str) and value.endswith("+") else value, _KL_TYPES)
+
+
+def registry_note(key: str, value: str, known: tuple[str, ...]) -> None:
+    """An unknown name of an extensible verl registry: accepted (user code may register it), noted."""
+    if isinstance(value, str) and "${" not in value and value not in known and adjusting():
+        note(
+            key,
+            f"{value!r} is not one of verl's built-ins ({', '.join(known)}); it must be registered by your code",
+        )
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_choice("type", self.type, ("fixed", "adaptive"))
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (``algorithm.filter_groups``): drop groups whose ``metric`` does not vary."""
+
+    enable: bool = False
+    metric: str | None = None
+    max_num_gen_batches: int = 0
+
+    def __post_init__(self) -> None:
+        if self.enable and self.metric is None:
+            raise ConfigValueError(
+                "metric", "is null but enable is true; name the metric groups are filtered on (e.g. acc)"
+            )
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between rollout and training log-probs (``algorithm.rollout_correction``)."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_batch_normalize: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("loss_type", self.loss_type, ("ppo_clip", "reinforce"))
+        check_positive("rollout_is_threshold", self.rollout_is_threshold)
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    use_pf_ppo: bool = False
+    pf_ppo: dict[str, Any] = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
+    filter_groups: FilterGroupsConfig | None = None
+    rollout_correction: RolloutCorrectionConfig | None = field(default_factory=RolloutCorrectionConfig)
+
+    def __post_init__(self) -> None:
+        registry_note("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        check_kl_type("kl_penalty", self.kl_penalty)
+        for key in ("gamma", "lam"):
+            check_unit_interval(key, getattr(self, key))
+        method = (self.pf_ppo or {}).get("reweight_method")
+        if method is not None:
+            check_choice("pf_ppo.reweight_method", method, ("pow", "max_min", "max_random"))
