@@ -115,9 +115,8 @@ def multi_tensor_scale(
 
 def _megatron_fallbacks() -> list[tuple[Any, Any]]:
     """(megatron.core.utils' local fallback, our replacement) for each fallback this release has."""
-    from verl_mcore_utils.compat import import_megatron_core
-
-    import_megatron_core()
+    # The package's __init__ has run prepare_megatron_import(), so megatron-core imports directly here
+    # (no import of compat, which imports this module to install the replacements).
     from megatron.core import utils
 
     replacements = {

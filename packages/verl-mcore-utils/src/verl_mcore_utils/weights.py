@@ -48,7 +48,6 @@ __all__ = [
     "HFDims",
     "ParamMapping",
     "bucket_tensors",
-    "export_hf_weight_buckets",
     "export_hf_weights",
     "hf_tensor_shapes",
     "hf_to_megatron",
@@ -733,22 +732,6 @@ def export_hf_weights(
             dist.broadcast(full, src=dist.get_global_rank(groups.pp_group, stage), group=groups.pp_group)
         for name, tensor in megatron_to_hf(mapping, full, hf_config=dims):
             yield name, tensor
-
-
-def export_hf_weight_buckets(
-    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
-    *,
-    hf_config: Mapping[str, Any] | Any,
-    bucket_bytes: int,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`export_hf_weights` grouped into buckets of at most ``bucket_bytes`` (a bigger tensor alone).
-
-    For a rollout engine's weight update: each bucket is a list of ``(hugging_face_name, tensor)`` whose
-    tensors are copies owned by the bucket (safe to keep while training goes on, freed when the caller drops
-    the list), so the extra memory beyond the model is one bucket plus the one tensor being gathered. Same
-    collective contract as :func:`export_hf_weights`: every rank iterates to the end, in step.
-    """
-    yield from bucket_tensors(export_hf_weights(model_chunks, hf_config=hf_config), bucket_bytes=bucket_bytes)
 
 
 def bucket_tensors(
