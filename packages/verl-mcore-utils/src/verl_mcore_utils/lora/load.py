@@ -63,7 +63,7 @@ def _check_adapter_config(config: Mapping[str, Any], path: Path) -> tuple[int, f
 
 
 def _tensors_by_module(raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """``{HF module name: {"A": lora_A, "B": lora_B}}``; a key that is not a decoder layer's LoRA A/B is an error."""
+    """``{HF module name: {"A": lora_A, "B": lora_B}}``; any other key is an error."""
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     bad_keys = []
     for key, tensor in raw.items():
@@ -105,7 +105,7 @@ def _check_coverage(
 def _fused_adapter(
     site: Site, by_module: Mapping[str, Mapping[str, torch.Tensor]], dims: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (lora_A, full lora_B) of a fused megatron linear from its HF modules' adapters (which share lora_A)."""
+    """(lora_A, full lora_B) of a fused megatron linear from its HF modules' adapters (sharing lora_A)."""
     a_parts = [by_module[m]["A"] for m in site.hf_modules]
     b_parts = [by_module[m]["B"] for m in site.hf_modules]
     first = a_parts[0]

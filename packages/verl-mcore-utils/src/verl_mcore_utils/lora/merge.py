@@ -1,4 +1,4 @@
-"""The base model under LoRA: adapters switched off or swapped out, and weights exported with adapters merged."""
+"""The base model under LoRA: adapters off or swapped out, and weights exported with adapters merged."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Move a Megatron training state (parameters, gradients, optimizer state) to host memory and back.
 
 In RL the trainer and the rollout engine take turns on the same GPUs: while rollout runs, the trainer's state
-leaves the GPU and comes back bit for bit, through one reused host buffer per device storage. The rules (what is
-refused, what must not be touched while offloaded) and the design are in the package README.
+leaves the GPU and comes back bit for bit, through one reused host buffer per device storage. The rules
+(what is refused, what must not be touched while offloaded) and the design are in the package README.
 """
 
 from verl_mcore_utils.offload.model import model_offload_kinds, offload_megatron_model, onload_megatron_model

@@ -1,4 +1,4 @@
-"""Offload / onload of optimizer state (fp32 masters, Adam moments), and the walkers of megatron optimizers."""
+"""Offload / onload of optimizer state (fp32 masters, Adam moments); walkers of megatron optimizers."""
 
 from __future__ import annotations
 

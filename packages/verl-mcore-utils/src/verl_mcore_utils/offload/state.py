@@ -1,4 +1,4 @@
-"""Offload bookkeeping: one :class:`OffloadState` per owner, and the storage moves behind every offload call."""
+"""Offload bookkeeping: one :class:`OffloadState` per owner, and the storage moves of every call."""
 
 from __future__ import annotations
 
@@ -281,7 +281,7 @@ def offload_jobs(
 
 
 def onload_jobs(jobs: Sequence[tuple[OffloadState, str]]) -> OffloadStats:
-    """Resize every offloaded (state, kind) storage back and copy its bytes in; all or nothing on allocation."""
+    """Resize every offloaded (state, kind) storage back and copy its bytes in (all or none allocated)."""
     for state, kind in jobs:
         if not state.is_offloaded(kind):
             raise OffloadStateError(f"{kind!r} of {state.label} is not offloaded; there is nothing to onload")

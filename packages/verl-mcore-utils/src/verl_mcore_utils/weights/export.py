@@ -1,4 +1,4 @@
-"""Stream a megatron-core GPTModel as Hugging Face tensors (TP gathered, PP broadcast), and bucket the stream."""
+"""Stream a GPTModel as Hugging Face tensors (TP gathered, PP broadcast), and bucket the stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The name table: which Hugging Face tensors each megatron-core GPTModel parameter holds, and their shapes."""
+"""The name table: the Hugging Face tensors each megatron-core GPTModel parameter holds, and shapes."""
 
 from __future__ import annotations
 
