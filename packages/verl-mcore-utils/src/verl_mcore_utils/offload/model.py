@@ -8,13 +8,11 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.offload.state import (
-    OffloadStateError,
     OffloadStats,
     get_offload_state,
     offload_jobs,
+    offloaded_state,
     onload_jobs,
-    owner_label,
-    registered_state,
 )
 
 
@@ -119,10 +117,6 @@ def onload_megatron_model(
     kinds = model_offload_kinds(params=params, grads=grads)
     jobs = []
     for chunk in chunks:
-        state = registered_state(chunk)
-        if state is None:
-            raise OffloadStateError(
-                f"{kinds} of {owner_label(chunk)} were never offloaded; nothing to onload"
-            )
+        state = offloaded_state(chunk, what=str(kinds), plural=True)
         jobs.extend((state, kind) for kind in kinds)
     return onload_jobs(jobs)

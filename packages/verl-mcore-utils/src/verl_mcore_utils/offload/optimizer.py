@@ -11,9 +11,8 @@ from verl_mcore_utils.offload.state import (
     OffloadStats,
     get_offload_state,
     offload_jobs,
+    offloaded_state,
     onload_jobs,
-    owner_label,
-    registered_state,
 )
 
 # Master copies that megatron's mixed-precision optimizers own (all supported releases):
@@ -105,9 +104,5 @@ def offload_megatron_optimizer(
 
 def onload_megatron_optimizer(optimizer: Any) -> OffloadStats:
     """Bring back what :func:`offload_megatron_optimizer` moved, bit for bit."""
-    state = registered_state(optimizer)
-    if state is None:
-        raise OffloadStateError(
-            f"optimizer of {owner_label(optimizer)} was never offloaded; nothing to onload"
-        )
+    state = offloaded_state(optimizer, what="optimizer")
     return onload_jobs([(state, "optimizer")])

@@ -176,9 +176,13 @@ class OffloadState:
 _STATES: weakref.WeakKeyDictionary[Any, OffloadState] = weakref.WeakKeyDictionary()
 
 
-def registered_state(owner: Any) -> OffloadState | None:
-    """The :class:`OffloadState` of ``owner`` if it was ever offloaded, else None (creates nothing)."""
-    return _STATES.get(owner)
+def offloaded_state(owner: Any, *, what: str, plural: bool = False) -> OffloadState:
+    """``owner``'s state for an onload; an owner never offloaded is an :class:`OffloadStateError` naming ``what``."""
+    state = _STATES.get(owner)
+    if state is None:
+        verb = "were" if plural else "was"
+        raise OffloadStateError(f"{what} of {owner_label(owner)} {verb} never offloaded; nothing to onload")
+    return state
 
 
 def get_offload_state(owner: Any, *, pin_memory: bool | None = None) -> OffloadState:
@@ -336,10 +340,5 @@ def onload_tensors(groups: Sequence[tuple[Any, str]]) -> OffloadStats:
     """Bring back the ``(owner, kind)`` groups that :func:`offload_tensors` moved, bit for bit."""
     jobs = []
     for owner, kind in groups:
-        state = registered_state(owner)
-        if state is None:
-            raise OffloadStateError(
-                f"{kind!r} of {owner_label(owner)} was never offloaded; nothing to onload"
-            )
-        jobs.append((state, kind))
+        jobs.append((offloaded_state(owner, what=repr(kind)), kind))
     return onload_jobs(jobs)
