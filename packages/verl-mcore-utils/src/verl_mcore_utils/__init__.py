@@ -1,25 +1,8 @@
 """verl_mcore_utils: megatron-core plumbing every trainer needs, across megatron-core 0.14 to 0.19.
 
-Public API:
-
-* :mod:`compat`: what the installed megatron-core offers (the only place that knows versions).
-* Construction: :func:`make_megatron_module` over a :class:`ModelProvider` (our
-  :class:`GPTModelProvider` from a Hugging Face config, :class:`SpecProvider` for a plain layer spec,
-  ``verl_mcore_utils.bridges.MBridgeProvider`` for mbridge, or your own), with the one DDP-config
-  builder :func:`build_ddp_config` / :class:`WrapConfig`, value heads, :func:`unwrap_model`,
-  :func:`get_model_config`, :func:`attach_training_hooks`.
-* Weights: :func:`load_hf_weights`, :func:`export_hf_weights`, :func:`save_hf_weights` (TP/PP aware).
-* Offload: :func:`offload_megatron_model` / :func:`onload_megatron_model` and the optimizer pair.
-* Optimizer: :func:`use_fused_torch_adam` (torch's fused Adam kernel where megatron-core fell back to torch's
-  Adam; :func:`compat.make_megatron_optimizer` applies it); :func:`use_sync_free_multi_tensor_fallbacks`
-  (megatron-core's gradient norm and clipping without a host sync per parameter tensor where it fell back to its
-  pure-torch multi-tensor functions; applied there too); :func:`with_wgrad_fusion` /
-  :func:`enable_wgrad_accumulation_fusion` (weight gradients accumulated into ``main_grad`` inside the GEMM
-  without apex).
-* No Transformer Engine needed: :class:`SDPACoreAttention`, portable RoPE, local layer spec.
-* Optional extras (import the submodule): ``verl_mcore_utils.bridges`` (``[mbridge]``) and
-  ``verl_mcore_utils.lora`` (``[peft]``: LoRA pre-wrap hook, Hugging Face PEFT adapters).
-* Tests: :func:`run_distributed`, tiny Qwen2 presets, :mod:`hf_testing` (tiny random HF checkpoints).
+:mod:`compat` is the only module that knows megatron-core versions; model construction, weights, LoRA
+(``verl_mcore_utils.lora``, extra ``[peft]``), offload, optimizer kernels and test helpers are listed in the
+package README. Submodules load on first use (below).
 """
 
 from importlib import metadata as _metadata

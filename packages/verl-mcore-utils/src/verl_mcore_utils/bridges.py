@@ -1,30 +1,8 @@
 """mbridge's Hugging Face <-> megatron-core bridges, made to work without Transformer Engine.
 
-mbridge (``pip install verl-mcore-utils[mbridge]``) maps Hugging Face checkpoints onto megatron-core
-GPTModels, but as shipped it assumes Transformer Engine: its layer spec is TE's, its name maps know
-only TE's fused layer-norm names, and its config switches on fusions that need TE or apex. This
-module subclasses its dense ``qwen2``, ``qwen3`` and ``llama`` bridges so that, when TE is absent,
-they build megatron-core's local layer spec with :class:`SDPACoreAttention` (CPU and CUDA), and
-registers them with ``mbridge.AutoBridge``. With TE installed they keep mbridge's TE spec and config.
-
-Beyond TE, the subclasses fix what breaks with our pins or in one process:
-
-* the local spec's separate ``input_layernorm`` / ``pre_mlp_layernorm`` get HF names;
-* the name maps are per-bridge copies: mbridge's Qwen2/Qwen3 bridges write the tied-embedding
-  mapping into a class attribute (shared by Qwen2Bridge and Qwen3Bridge), so a later untied bridge
-  in the same process would load ``model.embed_tokens.weight`` into its output layer;
-* tied embeddings are handled for Llama too, and the export never yields a tied weight twice;
-* RoPE settings are read from transformers 5's ``rope_parameters`` (mbridge reads the removed
-  ``config.rope_theta`` attribute and raises AttributeError); llama3 / linear scaling are mapped,
-  other kinds are refused;
-* ``get_model`` is refused with a pointer to :func:`build_mbridge_model`: mbridge's version moves
-  the chunks to CUDA, wraps Float16Module / DDP with its own DDP defaults, and on megatron-core
-  0.19 raises AttributeError on ``ModelType.encoder_and_decoder`` before building anything.
-
-Registration happens when this module is imported (:func:`register_local_bridges`, idempotent). The
-subclasses behave exactly like mbridge's bridges where mbridge works (TE installed), so replacing the
-registry entries process-wide is safe, and doing it at import means no code path that imports this
-module can reach ``AutoBridge`` and silently get a TE-only bridge.
+Subclasses of mbridge's dense ``qwen2``, ``qwen3`` and ``llama`` bridges that build megatron-core's local
+layer spec with :class:`SDPACoreAttention` when TE is absent (TE's spec and config when it is installed),
+registered with ``mbridge.AutoBridge`` on import. What they fix and why: the package README.
 """
 
 from __future__ import annotations
@@ -219,15 +197,15 @@ class _LocalSpecBridge(Bridge):
 
 
 class LocalQwen2Bridge(_LocalSpecBridge, Qwen2Bridge):
-    """mbridge's Qwen2Bridge with the local spec when TE is absent (see module docstring)."""
+    """mbridge's Qwen2Bridge with the local spec when TE is absent (see the package README)."""
 
 
 class LocalQwen3Bridge(_LocalSpecBridge, Qwen3Bridge):
-    """mbridge's Qwen3Bridge with the local spec when TE is absent (see module docstring)."""
+    """mbridge's Qwen3Bridge with the local spec when TE is absent (see the package README)."""
 
 
 class LocalLlamaBridge(_LocalSpecBridge, LLaMABridge):
-    """mbridge's LLaMABridge with the local spec when TE is absent (see module docstring)."""
+    """mbridge's LLaMABridge with the local spec when TE is absent (see the package README)."""
 
 
 LOCAL_BRIDGES: Mapping[str, type[Bridge]] = {

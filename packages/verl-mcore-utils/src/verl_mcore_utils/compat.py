@@ -18,19 +18,14 @@ from packaging.version import Version
 __all__ = [
     "MAX_MCORE_EXCLUSIVE",
     "MIN_MCORE",
-    "MTPTracker",
     "ddp_config_fields",
     "fsdp_synchronize_param_gather",
-    "has_hybrid_cp_groups",
-    "has_pg_collection",
     "hf_rope_parameters",
     "import_megatron_core",
     "make_megatron_optimizer",
     "make_packed_seq_params",
     "mcore_version",
     "megatron_fsdp_grad_precision",
-    "megatron_mtp_scale_misses_cp",
-    "mtp_tracker",
     "packed_seq_params_fields",
     "prepare_megatron_import",
 ]
@@ -116,28 +111,6 @@ def hf_rope_parameters(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 @functools.cache
-def has_pg_collection() -> bool:
-    """True when megatron-core passes process groups as a ProcessGroupCollection (0.15+)."""
-    import_megatron_core()
-    try:
-        from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def has_hybrid_cp_groups() -> bool:
-    """True when initialize_model_parallel can build megatron's hybrid-CP sub-groups (0.16+)."""
-    import inspect
-
-    import_megatron_core()
-    from megatron.core import parallel_state
-
-    return "hybrid_context_parallel" in inspect.signature(parallel_state.initialize_model_parallel).parameters
-
-
-@functools.cache
 def packed_seq_params_fields() -> tuple[str, ...]:
     """Field names of PackedSeqParams (``local_cp_size`` / ``cp_group`` exist from 0.16)."""
     import_megatron_core()
@@ -208,74 +181,6 @@ def fsdp_synchronize_param_gather(chunk: Any) -> None:
     raise AttributeError(
         f"{type(chunk).__name__} has no synchronize_param_gather (on itself or .module): not a Megatron-FSDP model?"
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class MTPTracker:
-    """The MTP metrics tracker under one set of names (0.19 renamed *_loss_* to *_metrics_*)."""
-
-    save: Any
-    clean: Any
-    reduce: Any
-    track: Any
-
-
-@functools.cache
-def mtp_tracker() -> MTPTracker:
-    """megatron-core's MTPLossLoggingHelper functions, whatever this release calls them."""
-    import_megatron_core()
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
-
-    def pick(*names: str) -> Any:
-        for name in names:
-            if hasattr(H, name):
-                return getattr(H, name)
-        raise AttributeError(f"MTPLossLoggingHelper of megatron-core {mcore_version()} has none of {names}")
-
-    return MTPTracker(
-        save=pick("save_metrics_to_tracker", "save_loss_to_tracker"),
-        clean=pick("clean_metrics_in_tracker", "clean_loss_in_tracker"),
-        reduce=pick("reduce_metrics_in_tracker", "reduce_loss_in_tracker"),
-        track=pick("track_mtp_metrics"),
-    )
-
-
-@functools.cache
-def megatron_mtp_scale_misses_cp() -> bool:
-    """Does this release's pipeline schedule under-scale the MTP loss gradient by the CP size?
-
-    Megatron-LM PR #3959: ``forward_step_calc_loss`` multiplies the main loss by the CP size but sets
-    ``MTPLossAutoScaler``'s scale without it, so with megatron-core's own MTP loss and CP > 1 the MTP
-    gradient is ``1 / cp`` of what it should be. Measured, not looked up: the schedule's function runs on
-    a one-layer config with ``cp_group_size=2`` and the two scales are compared. verl-engine does not use
-    megatron-core's MTP loss path (see verl_mcore_utils.mtp), so its MTP gradient is right either way;
-    this tells users of megatron-core's own path whether their release needs the fix.
-    """
-    import_megatron_core()
-    import torch
-    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, mtp_num_layers=1)
-    saved = MTPLossAutoScaler.main_loss_backward_scale
-    try:
-        main, _ = forward_step_calc_loss(
-            object(),
-            torch.ones(()),
-            lambda t: (t, {}),
-            config,
-            None,
-            False,
-            1,
-            [],
-            cp_group_size=2,
-            is_last_stage=True,
-        )
-        mtp = float(MTPLossAutoScaler.main_loss_backward_scale)
-    finally:
-        MTPLossAutoScaler.main_loss_backward_scale = saved
-    return abs(float(main) - 2 * mtp) < 1e-12
 
 
 def megatron_fsdp_grad_precision(*, fp32: bool) -> dict[str, Any]:

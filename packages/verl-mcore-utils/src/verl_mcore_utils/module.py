@@ -107,15 +107,13 @@ class SpecProvider:
             "tie_word_embeddings": self.share_embeddings_and_output_weights,
             "rope_theta": self.rotary_base,
         }
-        return build_gpt_model(
+        provider = GPTModelProvider(
             hf_config=hf_like,
-            tf_config=self.transformer_config,
+            transformer_config=self.transformer_config,
             device=self.device,
-            pre_process=pre_process,
-            post_process=post_process,
             layer_spec=self.layer_spec,
-            vp_stage=vp_stage,
         )
+        return provider.provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 class ValueHead(torch.nn.Linear):

@@ -1,24 +1,8 @@
 """Sync-free stand-ins for megatron-core's multi-tensor fallbacks (no Apex, no Transformer Engine).
 
-Without Apex's ``amp_C`` or Transformer Engine's multi-tensor kernels, megatron-core (0.14 to 0.19) takes the
-gradient norm and clips the gradients with the pure-torch fallbacks of ``megatron.core.utils``, chosen at import
-time in ``megatron.core.optimizer.clip_grads`` (``l2_norm_impl``, ``multi_tensor_scale_impl``) and
-``megatron.core.optimizer.optimizer`` (``multi_tensor_scale_impl``, used to copy main params to model params).
-``local_multi_tensor_l2_norm`` builds ``torch.tensor(list_of_per_parameter_norms)`` from one 0-d CUDA tensor per
-parameter tensor: each element is a device-to-host copy, i.e. one host synchronisation per parameter tensor
-(about 200 per optimizer step on a small model), then a ``float()`` and a pageable host-to-device copy of the
-result. Each synchronisation drains the GPU queue, so the CPU cannot run ahead and every kernel launch after it is
-exposed. ``local_multi_tensor_scale`` does not synchronise but launches two kernels and allocates a temporary per
-tensor.
-
-:func:`multi_tensor_l2_norm` and :func:`multi_tensor_scale` take the same arguments and return the same values as
-those fallbacks, but stay on the device: ``torch._foreach_norm`` plus one ``vector_norm`` over the stacked norms,
-and ``torch._foreach_mul_`` / ``_foreach_mul`` + ``_foreach_copy_``, per (device, dtype) group as the foreach
-kernels require. :func:`use_sync_free_multi_tensor_fallbacks` installs them into megatron-core's modules only
-where those still hold megatron's own ``local_multi_tensor_*`` function (checked by identity), so Apex / TE kernels
-are never replaced. They are correct on the CPU too, where megatron's l2 norm fallback fails (it puts its result
-on ``"cuda"``). The only host synchronisation left in ``get_grad_norm_fp32`` is megatron's own ``.item()`` of the
-all-reduced norm, once per call.
+megatron-core's pure-torch l2 norm fallback copies one norm per parameter tensor to the host (a synchronisation
+each); these foreach versions take the same arguments, return the same values and stay on the device, and are
+installed only where megatron-core still holds its own fallback. Details: the package README.
 """
 
 from __future__ import annotations
@@ -115,9 +99,8 @@ def multi_tensor_scale(
 
 def _megatron_fallbacks() -> list[tuple[Any, Any]]:
     """(megatron.core.utils' local fallback, our replacement) for each fallback this release has."""
-    from verl_mcore_utils.compat import import_megatron_core
-
-    import_megatron_core()
+    # The package's __init__ has run prepare_megatron_import(), so megatron-core imports directly here
+    # (no import of compat, which imports this module to install the replacements).
     from megatron.core import utils
 
     replacements = {

@@ -1,30 +1,9 @@
 """Run a function on N local processes with a real process group (gloo on CPU, NCCL on GPUs).
 
-For tests of distributed code on a CPU-only machine: ``run_distributed(fn, world_size=2)`` runs
-``fn(rank, world_size, *args)`` on two spawned processes, each in a freshly initialised
-torch.distributed process group, and returns the per-rank results. An exception on any rank is
-re-raised in the caller with that rank's traceback; a rank that does not finish within ``timeout_s``
-makes the whole run fail (the processes are killed) instead of hanging the test session; a rank that
-dies without reporting is named with its exit code.
-
-Warm workers: a spawned rank spends 10-25 s importing torch, megatron-core and transformers on a small
-CPU machine, usually more than the test body. gloo runs therefore reuse the session's spawned workers
-(:mod:`verl_mcore_utils._worker_pool`), which put their process back to a fresh state after every call
-(:mod:`verl_mcore_utils._rank_worker`); workers that failed, died or timed out are killed and never
-reused. ``fresh=True`` (or ``VERL_TEST_FRESH_WORKERS=1`` for every call) spawns processes for one call
-only, as before.
-
-Rendezvous without a port race: the caller's process opens the TCPStore server itself on a port the OS
-assigns (port 0) and keeps it open for the whole run; the ranks join it as clients. (Picking a free
-port, closing it and letting rank 0 bind it again seconds later, after its imports, lets any other
-process on the machine take the port in between: an intermittent failure on a busy CI machine.)
-A failure report is also written to stderr, so it ends the captured output of a failing test.
-
-Results travel as plain pickled bytes. torch's multiprocessing queue would move a tensor's storage by
-file descriptor, fetched from the producing process when the caller unpickles it; a rank that has
-already exited by then (it returns as soon as it has put its result) makes that read fail with
-"connection reset/refused", intermittently, depending on how fast the caller reads. The function and
-its arguments go the other way as plain pickled bytes too, over each worker's pipe.
+``run_distributed(fn, world_size=2)`` runs ``fn(rank, world_size, *args)`` on two processes and returns the
+per-rank results; a rank's exception is re-raised here with its traceback, a timeout or a silent death fails
+the run instead of hanging it. gloo runs reuse warm worker processes. Design (rendezvous, result transport):
+the package README.
 """
 
 from __future__ import annotations
@@ -36,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -73,8 +53,8 @@ def run_distributed(
 
     ``fresh``: run on newly spawned processes that exit afterwards, for a function that needs a brand-new
     process (it checks import-time behaviour or the process's first-time state, or patches a module for
-    good). By default gloo runs reuse the session's warm workers (see module doc) and NCCL runs are fresh
-    (a GPU's memory, caching allocator and CUDA context should start clean for GPU tests).
+    good). By default gloo runs reuse the session's warm workers (see the package README) and NCCL runs
+    are fresh (a GPU's memory, caching allocator and CUDA context should start clean for GPU tests).
     ``VERL_TEST_FRESH_WORKERS=1`` makes every run fresh.
     """
     if fresh is None:
@@ -84,7 +64,7 @@ def run_distributed(
     payload = pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
     global _calls
     _calls += 1
-    # The rendezvous server lives here, on an OS-assigned port, until every rank is done (see module doc).
+    # The rendezvous server lives here, on an OS-assigned port, until every rank is done (package README).
     server = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -94,14 +74,12 @@ def run_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     pool = WorkerPool() if fresh else shared_pool(world_size)
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}  # rank -> its traceback
-    died: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
+    replies = _Replies(call_id=_calls, pending=set(range(world_size)))
     try:
         pool.grow(world_size)
         for rank in range(world_size):
             pool.submit(rank, _job(_calls, rank, world_size, server.port, backend, timeout_s, payload))
-        _collect(pool.workers[:world_size], _calls, timeout_s, results, failures, died)
+        _collect(pool.workers[:world_size], replies, timeout_s=timeout_s)
     except BaseException as err:  # a timeout, a silent death, or an interrupt: these workers are done for
         discard(pool)
         if isinstance(err, DistributedRunError):
@@ -109,6 +87,7 @@ def run_distributed(
         raise
     finally:
         del server
+    failures, died = replies.failures, replies.died
     if failures:
         discard(pool)
         lines = [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items())]
@@ -121,7 +100,7 @@ def run_distributed(
         raise DistributedRunError(message)
     if fresh:
         pool.stop()
-    return [results[r] for r in range(world_size)]
+    return [replies.results[r] for r in range(world_size)]
 
 
 def _job(
@@ -145,21 +124,27 @@ def _job(
 _calls = 0  # numbers the calls: a report always names the call it belongs to
 
 
-def _collect(
-    workers: list[Any],
-    call_id: int,
-    timeout_s: float,
-    results: dict[int, Any],
-    failures: dict[int, str],
-    died: dict[int, int],
-) -> None:
+@dataclass
+class _Replies:
+    """What the ranks of one call have reported so far."""
+
+    call_id: int
+    pending: set[int]  # ranks not heard from yet
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)  # rank -> its traceback
+    died: dict[int, int] = field(
+        default_factory=dict
+    )  # rank -> exit code, for ranks that exited without reporting
+
+
+def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None:
     """Read the ranks' reports until all are in or one rank failed; raise on a timeout or a silent death.
 
     After a failure the other ranks may be blocked in a collective for ever: the caller discards them.
     """
     by_conn = {w.conn: rank for rank, w in enumerate(workers)}
     by_sentinel = {w.process.sentinel: rank for rank, w in enumerate(workers)}
-    pending = set(range(len(workers)))
+    pending, failures = replies.pending, replies.failures
     deadline = time.monotonic() + timeout_s
     while pending and not failures:
         remaining = deadline - time.monotonic()
@@ -171,61 +156,46 @@ def _collect(
         for ready in wait(handles, timeout=min(remaining, 1.0)):
             rank = by_conn.get(ready) if isinstance(ready, Connection) else None
             if rank is not None and rank in pending:
-                _read(workers[rank].conn, rank, call_id, results, failures, pending)
+                _read(workers[rank].conn, rank, replies)
             elif ready in by_sentinel:  # the process exited: a report it sent first still counts
                 rank = by_sentinel[ready]
                 if rank in pending and workers[rank].conn.poll():
-                    _read(workers[rank].conn, rank, call_id, results, failures, pending)
+                    _read(workers[rank].conn, rank, replies)
         for rank in sorted(pending):
-            _note_death(workers[rank], rank, call_id, results, failures, pending, died)
-        if died and not failures:
-            dead = sorted(died)
-            raise DistributedRunError(f"rank(s) {dead} exited with codes {[died[r] for r in dead]}")
+            _note_death(workers[rank], rank, replies)
+        if replies.died and not failures:
+            dead = sorted(replies.died)
+            raise DistributedRunError(f"rank(s) {dead} exited with codes {[replies.died[r] for r in dead]}")
     if failures:  # a rank that died explains the others' errors: give a dying process a moment to exit
         time.sleep(0.5)
         for rank in sorted(pending):
-            _note_death(workers[rank], rank, call_id, results, failures, pending, died)
+            _note_death(workers[rank], rank, replies)
 
 
-def _note_death(
-    worker: Any,
-    rank: int,
-    call_id: int,
-    results: dict[int, Any],
-    failures: dict[int, str],
-    pending: set[int],
-    died: dict[int, int],
-) -> None:
+def _note_death(worker: Any, rank: int, replies: _Replies) -> None:
     """If ``rank``'s process has exited, read the report it may have sent first, else record its death."""
     code = worker.process.exitcode
     if code is None:
         return
     if worker.conn.poll():  # a report, or the end of the pipe
-        _read(worker.conn, rank, call_id, results, failures, pending)
-    if rank in pending:
-        died[rank] = code
+        _read(worker.conn, rank, replies)
+    if rank in replies.pending:
+        replies.died[rank] = code
 
 
-def _read(
-    conn: Connection,
-    rank: int,
-    call_id: int,
-    results: dict[int, Any],
-    failures: dict[int, str],
-    pending: set[int],
-) -> None:
+def _read(conn: Connection, rank: int, replies: _Replies) -> None:
     """Take one rank's report off its pipe (a pipe that closed mid-report is a rank that died)."""
     try:
         item = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return  # its exit code is read by the caller's loop
     got_call, got_rank, ok, payload = item
-    if got_call != call_id or got_rank != rank:
+    if got_call != replies.call_id or got_rank != rank:
         raise DistributedRunError(
-            f"rank {rank} answered call {got_call} as rank {got_rank}, not call {call_id}"
+            f"rank {rank} answered call {got_call} as rank {got_rank}, not call {replies.call_id}"
         )
-    pending.discard(rank)
-    _record((rank, ok, payload), results, failures)
+    replies.pending.discard(rank)
+    _record((rank, ok, payload), replies.results, replies.failures)
 
 
 def _record(item: tuple[int, bool, Any], results: dict[int, Any], failures: dict[int, str]) -> None:

@@ -62,27 +62,8 @@ def hf_to_transformer_config(
         raise ValueError(f"hidden_act {act!r} is not supported; dense Qwen2/Qwen3/Llama use 'silu' (SwiGLU)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    hidden = hf_get(hf_config, "hidden_size")
-    heads = hf_get(hf_config, "num_attention_heads")
-    head_dim = hf_get(hf_config, "head_dim") or hidden // heads
-    attention_bias = bool(hf_get(hf_config, "attention_bias", False))
     kwargs: dict[str, Any] = {
-        "num_layers": hf_get(hf_config, "num_hidden_layers"),
-        "hidden_size": hidden,
-        "ffn_hidden_size": hf_get(hf_config, "intermediate_size"),
-        "num_attention_heads": heads,
-        "num_query_groups": hf_get(hf_config, "num_key_value_heads", heads),
-        "kv_channels": head_dim,
-        "layernorm_epsilon": hf_get(hf_config, "rms_norm_eps", 1e-6),
-        "normalization": "RMSNorm",
-        "gated_linear_unit": True,
-        "activation_func": F.silu,
-        "add_bias_linear": False,
-        "add_qkv_bias": model_type == "qwen2" or attention_bias,
-        "qk_layernorm": model_type == "qwen3",
-        "attention_dropout": float(hf_get(hf_config, "attention_dropout", 0.0) or 0.0),
-        "hidden_dropout": 0.0,
-        "init_method_std": hf_get(hf_config, "initializer_range", 0.02),
+        **_model_fields(hf_config, model_type),
         # Fusions that need TE / apex / custom CUDA kernels: off, so CPU and plain CUDA both work.
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
@@ -107,7 +88,40 @@ def hf_to_transformer_config(
         "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": use_cpu_initialization,
     }
-    for key, value in (overrides or {}).items():
+    kwargs.update(_checked_overrides(overrides or {}))
+    return TransformerConfig(**kwargs)
+
+
+def _model_fields(hf_config: Mapping[str, Any] | Any, model_type: str) -> dict[str, Any]:
+    """The TransformerConfig fields that describe the architecture of the Hugging Face config."""
+    hidden = hf_get(hf_config, "hidden_size")
+    heads = hf_get(hf_config, "num_attention_heads")
+    head_dim = hf_get(hf_config, "head_dim") or hidden // heads
+    attention_bias = bool(hf_get(hf_config, "attention_bias", False))
+    return {
+        "num_layers": hf_get(hf_config, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": hf_get(hf_config, "intermediate_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": hf_get(hf_config, "num_key_value_heads", heads),
+        "kv_channels": head_dim,
+        "layernorm_epsilon": hf_get(hf_config, "rms_norm_eps", 1e-6),
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": model_type == "qwen2" or attention_bias,
+        "qk_layernorm": model_type == "qwen3",
+        "attention_dropout": float(hf_get(hf_config, "attention_dropout", 0.0) or 0.0),
+        "hidden_dropout": 0.0,
+        "init_method_std": hf_get(hf_config, "initializer_range", 0.02),
+    }
+
+
+def _checked_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """User overrides of TransformerConfig fields; an unknown field is an error listing the valid ones."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
         if key not in TransformerConfig.__dataclass_fields__:
             valid = ", ".join(sorted(TransformerConfig.__dataclass_fields__))
             raise ValueError(
@@ -115,8 +129,8 @@ def hf_to_transformer_config(
             )
         if key == "attention_backend" and isinstance(value, str):
             value = _attention_backend(value)
-        kwargs[key] = value
-    return TransformerConfig(**kwargs)
+        out[key] = value
+    return out
 
 
 def _attention_backend(name: str) -> Any:

@@ -1,0 +1,193 @@
+"""The name table: the Hugging Face tensors each megatron-core GPTModel parameter holds, and shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from verl_mcore_utils.transformer_config import SUPPORTED_MODEL_TYPES, hf_get
+
+Fusion = Literal["none", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One megatron-core parameter and the Hugging Face tensor(s) whose numbers it holds.
+
+    ``megatron_name`` is the name inside a GPTModel with the *global* layer index; ``hf_names`` are full
+    Hugging Face names, in the order the fused helpers take them (q, k, v / gate, up). ``tp_dim`` is the
+    dimension split over TP ranks (None: replicated) and ``vocab_parallel`` marks vocabulary-row tensors,
+    which megatron may pad.
+    """
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    fusion: Fusion = "none"
+    tp_dim: int | None = None
+    vocab_parallel: bool = False
+
+
+# (megatron suffix inside a TransformerLayer, HF suffixes inside model.layers.{i}, fusion, TP dim, needs)
+# ``needs`` names the HFDims flag that must be true for the tensor to exist.
+_LAYER_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None, str | None], ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",), "none", None, None),
+    (
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+        0,
+        None,
+    ),
+    (
+        "self_attention.linear_qkv.bias",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "qkv",
+        0,
+        "qkv_bias",
+    ),
+    ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "none", None, "qk_norm"),
+    ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "none", None, "qk_norm"),
+    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "none", 1, None),
+    ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "none", None, None),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0, None),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "none", 1, None),
+)
+
+#: megatron linear module inside a TransformerLayer -> the Hugging Face linear modules it fuses, in the
+#: order of the fused rows. This is what a LoRA adapter exporter renames (``lora_A`` / ``lora_B`` of the
+#: megatron module become those of each Hugging Face module).
+LAYER_MODULE_MAP: Mapping[str, tuple[str, ...]] = {
+    meg.removesuffix(".weight"): tuple(h.removesuffix(".weight") for h in hf)
+    for meg, hf, _, tp_dim, _ in _LAYER_TABLE
+    if tp_dim is not None and meg.endswith(".weight")
+}
+
+_EMBEDDING = ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "none", 0, True)
+_FINAL_NORM = ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",))
+_OUTPUT = ParamMapping("output_layer.weight", ("lm_head.weight",), "none", 0, True)
+# With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as output_layer.weight:
+# it is loaded from embed_tokens and never exported (the embedding itself is).
+TIED_OUTPUT = ParamMapping("output_layer.weight", ("model.embed_tokens.weight",), "none", 0, True)
+
+
+@dataclass(frozen=True)
+class HFDims:
+    """The sizes of a dense decoder that the weight layouts depend on, read once from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> HFDims:
+        """Read the dims; unsupported architectures fail here rather than with a shape error later."""
+        model_type = hf_get(hf_config, "model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        attention_bias = bool(hf_get(hf_config, "attention_bias", False))
+        if attention_bias and model_type != "qwen2":
+            # Llama / Qwen3 put this bias on o_proj too, which the megatron model (add_bias_linear=False) lacks.
+            raise ValueError(f"{model_type} with attention_bias=True (o_proj bias) is not supported")
+        if bool(hf_get(hf_config, "mlp_bias", False)):
+            raise ValueError("mlp_bias=True is not supported (the megatron model has add_bias_linear=False)")
+        hidden = int(hf_get(hf_config, "hidden_size"))
+        heads = int(hf_get(hf_config, "num_attention_heads"))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf_get(hf_config, "vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(hf_get(hf_config, "intermediate_size")),
+            num_layers=int(hf_get(hf_config, "num_hidden_layers")),
+            num_heads=heads,
+            num_query_groups=int(hf_get(hf_config, "num_key_value_heads", None) or heads),
+            head_dim=int(hf_get(hf_config, "head_dim", None) or hidden // heads),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf_get(hf_config, "tie_word_embeddings", False)),
+        )
+
+
+def as_dims(hf_config: Mapping[str, Any] | Any) -> HFDims:
+    return hf_config if isinstance(hf_config, HFDims) else HFDims.from_hf_config(hf_config)
+
+
+def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
+    """The mappings of decoder layer ``layer`` (global 0-based index), in a fixed order."""
+    dims = as_dims(hf_config)
+    out = []
+    for meg, hf, fusion, tp_dim, needs in _LAYER_TABLE:
+        if needs is not None and not getattr(dims, needs):
+            continue
+        out.append(
+            ParamMapping(
+                f"decoder.layers.{layer}.{meg}",
+                tuple(f"model.layers.{layer}.{h}" for h in hf),
+                fusion,
+                tp_dim,
+            )
+        )
+    return out
+
+
+def param_mappings(*, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
+    """Every mapping of the whole model in export order: embedding, layers 0..N-1, final norm, lm_head.
+
+    With ``tie_word_embeddings`` there is no lm_head entry: Hugging Face ties it to embed_tokens.
+    """
+    dims = as_dims(hf_config)
+    out = [_EMBEDDING]
+    for layer in range(dims.num_layers):
+        out.extend(layer_param_mappings(layer, hf_config=dims))
+    out.append(_FINAL_NORM)
+    if not dims.tie_word_embeddings:
+        out.append(_OUTPUT)
+    return out
+
+
+def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor a checkpoint of ``hf_config`` holds, with its shape (the strictness reference)."""
+    d = as_dims(hf_config)
+    q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
+    per_layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (d.hidden_size,),
+        "self_attn.q_proj.weight": (q, d.hidden_size),
+        "self_attn.k_proj.weight": (kv, d.hidden_size),
+        "self_attn.v_proj.weight": (kv, d.hidden_size),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d.head_dim,),
+        "self_attn.k_norm.weight": (d.head_dim,),
+        "self_attn.o_proj.weight": (d.hidden_size, q),
+        "post_attention_layernorm.weight": (d.hidden_size,),
+        "mlp.gate_proj.weight": (d.intermediate_size, d.hidden_size),
+        "mlp.up_proj.weight": (d.intermediate_size, d.hidden_size),
+        "mlp.down_proj.weight": (d.hidden_size, d.intermediate_size),
+    }
+    top = {
+        "model.embed_tokens.weight": (d.vocab_size, d.hidden_size),
+        "model.norm.weight": (d.hidden_size,),
+        "lm_head.weight": (d.vocab_size, d.hidden_size),
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for mapping in param_mappings(hf_config=d):
+        for name in mapping.hf_names:
+            shapes[name] = top[name] if name in top else per_layer[name.split(".", 3)[3]]
+    return shapes
+
+
+def few_names(names: Sequence[str], limit: int = 12) -> str:
+    """Up to ``limit`` names for an error message, with the count when there are more."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
