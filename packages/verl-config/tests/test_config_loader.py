@@ -143,3 +143,31 @@ def test_no_torch_import() -> None:
     """verl-config must stay importable (and light) without torch."""
     code = "import sys, verl_config; verl_config.load_config(verl_config.SFTConfig); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["megatron.override_ddp_config.use_distributed_optimizer=false"],
+        [
+            "megatron.use_distributed_optimizer=false",
+            "megatron.override_ddp_config.use_distributed_optimizer=true",
+        ],
+    ],
+)
+def test_ddp_and_optimizer_read_one_distributed_optimizer_setting(overrides: list[str]) -> None:
+    """The field and override_ddp_config must agree: DDP's buffers and the optimizer are built from them."""
+    with pytest.raises(ConfigValueError) as err:
+        load_config(SFTConfig, overrides=overrides)
+    message = str(err.value)
+    assert (
+        "override_ddp_config.use_distributed_optimizer" in message and "use_distributed_optimizer=" in message
+    )
+    agreeing = load_config(
+        SFTConfig,
+        overrides=[
+            "megatron.use_distributed_optimizer=false",
+            "megatron.override_ddp_config.use_distributed_optimizer=false",
+        ],
+    )
+    assert agreeing.megatron.use_distributed_optimizer is False

@@ -243,7 +243,7 @@ def test_unknown_and_mistyped_keys() -> None:
         ),
         (
             [f"{AM}.use_megatron_fsdp=true", f"{AM}.override_ddp_config.use_distributed_optimizer=false"],
-            rf"{AM}.override_ddp_config.use_distributed_optimizer: is false but use_megatron_fsdp",
+            rf"{AM}.override_ddp_config.use_distributed_optimizer: is false but use_distributed_optimizer is true",
         ),
         (
             [f"{AM}.use_megatron_fsdp=true", f"{AM}.pipeline_model_parallel_size=2"],

@@ -147,6 +147,7 @@ class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
                 "forced to false because tensor_model_parallel_size is 1 (it only splits TP work)",
             )
         self._check_dynamic_cp()
+        self._check_one_distributed_optimizer_source()
         self._check_megatron_fsdp()
         if self.use_dist_checkpointing and not self.dist_checkpointing_path:
             raise ConfigValueError(
@@ -208,6 +209,20 @@ class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
             note(
                 "max_seqlen_per_dp_cp_rank",
                 f"{self.max_seqlen_per_dp_cp_rank} has no effect because dynamic_context_parallel is false",
+            )
+
+    def _check_one_distributed_optimizer_source(self) -> None:
+        """DDP lays out its gradient buffers for the distributed optimizer or not, and the optimizer is built
+        for one of the two: both read ``use_distributed_optimizer``, so an override that says otherwise is an
+        error rather than a silent disagreement."""
+        given = self.override_ddp_config.get("use_distributed_optimizer")
+        if given is not None and bool(given) != bool(self.use_distributed_optimizer):
+            raise ConfigValueError(
+                "override_ddp_config.use_distributed_optimizer",
+                f"is {str(bool(given)).lower()} but use_distributed_optimizer is"
+                f" {str(bool(self.use_distributed_optimizer)).lower()}; DDP and the optimizer"
+                f" must agree: set use_distributed_optimizer={str(bool(given)).lower()} and drop"
+                " override_ddp_config.use_distributed_optimizer",
             )
 
     def _check_megatron_fsdp(self) -> None:
