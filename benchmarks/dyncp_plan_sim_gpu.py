@@ -22,7 +22,7 @@ static CP 4 and 2, verl-dyncp's dynamic plan at two ``max_seqlen_per_dp_cp_rank`
 workload models (the classic ``12 h``, the model's FLOP shape, and the FLOP shape with the attention cost
 factor measured here) with the CP size by need alone, each with and without the planner's local search
 (``refine``); then the planner's default (local search, CP size doubled while it balances >= 10% better,
-each rank kept within the token budget), its mixed plan, and the default with one knob changed.
+each rank kept within the token budget) and the default with one knob changed.
 Beside them an ideal-balance estimate: per micro-batch, a quarter of the dense and LM-head work plus a
 quarter of its attention run as one CP-1 row (fastest kernels, fewest calls), no communication; ``static
 CP 4 / ideal`` estimates the most any plan can gain over static CP 4 here (kernel costs are not exactly
@@ -233,14 +233,13 @@ def blocks_of(plan, lens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def plan_of(spec: dict, lens: list[int], *, pool: int, workloads: dict):
-    from verl_dyncp.planner import DEFAULT_LARGER_CP_MIN_GAIN, plan_dynamic_cp, plan_mixed_cp
+    from verl_dyncp.planner import DEFAULT_LARGER_CP_MIN_GAIN, plan_dynamic_cp
 
     w = workloads[spec.get("workload", "shape")]
     refine = spec.get("refine", True)
     if spec["kind"] == "static":
         return plan_dynamic_cp(lens, dp_cp_size=pool, static_cp_size=spec["k"], workload=w, refine=refine)
-    fn = plan_mixed_cp if spec["kind"] == "mixed" else plan_dynamic_cp
-    return fn(
+    return plan_dynamic_cp(
         lens,
         dp_cp_size=pool,
         max_seqlen_per_dp_cp_rank=spec["max_seqlen"],
@@ -388,21 +387,12 @@ def main() -> None:
             "workload": "engine",
             "cap": tpr,
         }
-        specs[f"engine_default_mixed_ms{ms}"] = {
-            "kind": "mixed",
-            "max_seqlen": ms,
-            "workload": "engine",
-            "cap": tpr,
-        }
     specs[f"dynamic_ms{tpr}_shape_gain0.1_nocap"] = {
         "kind": "dynamic",
         "max_seqlen": tpr,
         "workload": "shape",
         "gain": 0.1,
     }
-    specs[f"mixed_ms{tpr}_shape_gain0.05"] = {
-        "kind": "mixed", "max_seqlen": tpr, "workload": "shape", "cap": tpr, "gain": 0.05,
-    }  # fmt: skip
     results: dict[str, dict] = {}
     for name, spec in specs.items():
         try:

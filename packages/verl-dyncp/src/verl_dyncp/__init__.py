@@ -7,7 +7,7 @@ Public API:
   true positions, labels patched at chunk borders, dtype kept, gradients only through the local slot).
 * planning: :func:`dynamic_cp_split_batch` / :func:`dynamic_cp_merge_output` (CP size per micro-batch from
   ``max_seqlen_per_dp_cp_rank``, workload-balanced groups, idle groups still in every collective),
-  loss normalisation by the global token count; static CP is the same with a fixed size.
+  :func:`global_loss_token_count` for the loss; static CP is the same with a fixed size.
 * attention: :class:`DynCPCoreAttention` / :func:`dyncp_core_attention` (megatron-core core attention for THD +
   a CP group that may change on every call, RoPE from true positions, no Transformer Engine),
   :func:`attach_cp_context`, :func:`thd_layer_spec`, :func:`build_thd_gpt_model` and its model provider
@@ -29,16 +29,13 @@ from verl_dyncp.planner import (
     DynamicCPMicroBatch,
     DynamicCPPlan,
     WorkloadModel,
-    all_reduce_loss,
     dynamic_cp_merge_output,
     dynamic_cp_size,
     dynamic_cp_split_batch,
     dynamic_cp_take,
     dynamic_cp_take_ahead,
     global_loss_token_count,
-    normalize_token_loss,
     plan_dynamic_cp,
-    plan_mixed_cp,
 )
 from verl_dyncp.te_attention import te_attention_available, te_core_attention
 from verl_dyncp.thd import (
@@ -76,7 +73,6 @@ __all__ = [  # the names imported above, then every lazy name
     "WorkloadModel",
     "DEFAULT_LARGER_CP_MIN_GAIN",
     "MEASURED_ATTENTION_COST_FACTOR",
-    "all_reduce_loss",
     "attach_cp_context",
     "build_thd_meta",
     "dynamic_cp_merge_output",
@@ -85,9 +81,7 @@ __all__ = [  # the names imported above, then every lazy name
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
     "global_loss_token_count",
-    "normalize_token_loss",
     "plan_dynamic_cp",
-    "plan_mixed_cp",
     "postprocess_thd_engine",
     "preprocess_thd_engine",
     "te_attention_available",
