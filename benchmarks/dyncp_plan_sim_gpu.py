@@ -126,7 +126,7 @@ class Layer:
     @staticmethod
     def attention(layout):
         """Inputs of one rank's attention (allocated here, not timed) and its fwd + bwd as a callable."""
-        from verl_dyncp.thd_attention import _segmented_attention, _varlen_attention
+        from verl_dyncp.kernels import attend
 
         t_q = layout.num_local_tokens
         t_k = int(layout.cu_seqlens_k[-1]) if layout.cp_size > 1 else t_q
@@ -136,10 +136,10 @@ class Layer:
         v = torch.randn(t_k, KV, HD, **kw)
         grad = torch.ones(t_q, HEADS, HD, device="cuda", dtype=torch.bfloat16)
         # the engine's kernels: CP 1 dense cuDNN per long sequence + varlen for the rest, CP > 1 varlen
-        attend = _segmented_attention if layout.cp_size == 1 else _varlen_attention
+        path = "dense" if layout.cp_size == 1 else "varlen"
 
         def run() -> None:
-            out = attend(q, k, v, layout=layout, scale=None)
+            out = attend(q, k, v, layout=layout, path=path, scale=None)
             out.backward(grad)
 
         return run
@@ -147,7 +147,7 @@ class Layer:
 
 def rank_layouts(lens: list[int], k: int) -> list:
     """verl-dyncp's layout of each of the ``k`` ranks of a block running ``lens`` (padded to 2k)."""
-    from verl_dyncp.thd_attention import build_thd_layout
+    from verl_dyncp.layout import build_thd_layout
 
     padded = [n if k == 1 else -(-n // (2 * k)) * 2 * k for n in lens]
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)

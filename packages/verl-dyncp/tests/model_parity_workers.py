@@ -58,8 +58,8 @@ def _cp_step(
     """One planned micro-batch on this rank: local loss, backward, gradients summed over all ranks."""
     import torch.distributed as dist
 
+    from verl_dyncp.layout import thd_packed_seq_params
     from verl_dyncp.planner import dynamic_cp_split_batch, global_loss_token_count
-    from verl_dyncp.thd_attention import thd_packed_seq_params
 
     model.zero_grad(set_to_none=True)
     mb = dynamic_cp_split_batch(tokens, seq_lens=lengths, groups=groups, **plan)
