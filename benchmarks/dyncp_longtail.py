@@ -13,8 +13,7 @@ spread over the GPUs:
 * no CP: k = 1 (each sequence whole on one GPU; the longest one then holds up to 32K tokens on one GPU),
 * static CP 2 / 4: every sequence split over groups of 2 / 4,
 * dynamic CP: k per micro-batch from max_seqlen_per_dp_cp_rank (``--max-seqlen``, default the per-rank
-  budget; ``dynamic@8192`` runs it with 8192),
-* dynamic mixed: several k inside one micro-batch (verl-dyncp's mixed plan).
+  budget; ``dynamic@8192`` runs it with 8192).
 
 A ``+te`` suffix (``static4+te``, ``dynamic+te``) runs the layout with Transformer Engine's attention
 (megatron.packed_attention_backend=te: TE's fused attention and TE's own ring CP) instead of verl-dyncp's.
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 from _record import write_record
 
-LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192", "dynamic_mixed")
+LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192")
 
 
 def lengths_for_steps(
@@ -73,12 +72,11 @@ def layout_for(name: str, args: argparse.Namespace) -> Any:
         return CPLayout(static_cp_size=1, max_tokens_per_rank=budget)
     if name.startswith("static"):
         return CPLayout(static_cp_size=int(name[len("static") :]), max_tokens_per_rank=budget)
-    base, _, seqlen = name.partition("@")  # "dynamic@8192": another max_seqlen_per_dp_cp_rank
+    _, _, seqlen = name.partition("@")  # "dynamic@8192": another max_seqlen_per_dp_cp_rank
     return CPLayout(
         dynamic=True,
         max_seqlen_per_dp_cp_rank=int(seqlen) if seqlen else args.max_seqlen,
         max_tokens_per_rank=budget,
-        mixed=base == "dynamic_mixed",
     )
 
 

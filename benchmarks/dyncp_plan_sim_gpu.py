@@ -22,7 +22,7 @@ static CP 4 and 2, verl-dyncp's dynamic plan at two ``max_seqlen_per_dp_cp_rank`
 workload models (the classic ``12 h``, the model's FLOP shape, and the FLOP shape with the attention cost
 factor measured here) with the CP size by need alone, each with and without the planner's local search
 (``refine``); then the planner's default (local search, CP size doubled while it balances >= 10% better,
-each rank kept within the token budget), its mixed plan, and the default with one knob changed.
+each rank kept within the token budget) and the default with one knob changed.
 Beside them an ideal-balance estimate: per micro-batch, a quarter of the dense and LM-head work plus a
 quarter of its attention run as one CP-1 row (fastest kernels, fewest calls), no communication; ``static
 CP 4 / ideal`` estimates the most any plan can gain over static CP 4 here (kernel costs are not exactly
@@ -126,7 +126,7 @@ class Layer:
     @staticmethod
     def attention(layout):
         """Inputs of one rank's attention (allocated here, not timed) and its fwd + bwd as a callable."""
-        from verl_dyncp.thd_attention import _segmented_attention, _varlen_attention
+        from verl_dyncp.kernels import attend
 
         t_q = layout.num_local_tokens
         t_k = int(layout.cu_seqlens_k[-1]) if layout.cp_size > 1 else t_q
@@ -136,10 +136,10 @@ class Layer:
         v = torch.randn(t_k, KV, HD, **kw)
         grad = torch.ones(t_q, HEADS, HD, device="cuda", dtype=torch.bfloat16)
         # the engine's kernels: CP 1 dense cuDNN per long sequence + varlen for the rest, CP > 1 varlen
-        attend = _segmented_attention if layout.cp_size == 1 else _varlen_attention
+        path = "dense" if layout.cp_size == 1 else "varlen"
 
         def run() -> None:
-            out = attend(q, k, v, layout=layout, scale=None)
+            out = attend(q, k, v, layout=layout, path=path, scale=None)
             out.backward(grad)
 
         return run
@@ -147,7 +147,7 @@ class Layer:
 
 def rank_layouts(lens: list[int], k: int) -> list:
     """verl-dyncp's layout of each of the ``k`` ranks of a block running ``lens`` (padded to 2k)."""
-    from verl_dyncp.thd_attention import build_thd_layout
+    from verl_dyncp.layout import build_thd_layout
 
     padded = [n if k == 1 else -(-n // (2 * k)) * 2 * k for n in lens]
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
@@ -233,14 +233,13 @@ def blocks_of(plan, lens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def plan_of(spec: dict, lens: list[int], *, pool: int, workloads: dict):
-    from verl_dyncp.planner import DEFAULT_LARGER_CP_MIN_GAIN, plan_dynamic_cp, plan_mixed_cp
+    from verl_dyncp.planner import DEFAULT_LARGER_CP_MIN_GAIN, plan_dynamic_cp
 
     w = workloads[spec.get("workload", "shape")]
     refine = spec.get("refine", True)
     if spec["kind"] == "static":
         return plan_dynamic_cp(lens, dp_cp_size=pool, static_cp_size=spec["k"], workload=w, refine=refine)
-    fn = plan_mixed_cp if spec["kind"] == "mixed" else plan_dynamic_cp
-    return fn(
+    return plan_dynamic_cp(
         lens,
         dp_cp_size=pool,
         max_seqlen_per_dp_cp_rank=spec["max_seqlen"],
@@ -388,21 +387,12 @@ def main() -> None:
             "workload": "engine",
             "cap": tpr,
         }
-        specs[f"engine_default_mixed_ms{ms}"] = {
-            "kind": "mixed",
-            "max_seqlen": ms,
-            "workload": "engine",
-            "cap": tpr,
-        }
     specs[f"dynamic_ms{tpr}_shape_gain0.1_nocap"] = {
         "kind": "dynamic",
         "max_seqlen": tpr,
         "workload": "shape",
         "gain": 0.1,
     }
-    specs[f"mixed_ms{tpr}_shape_gain0.05"] = {
-        "kind": "mixed", "max_seqlen": tpr, "workload": "shape", "cap": tpr, "gain": 0.05,
-    }  # fmt: skip
     results: dict[str, dict] = {}
     for name, spec in specs.items():
         try:

@@ -16,7 +16,7 @@ Loss / gradient bookkeeping (the same on both sides):
 * the weights are replicated on every rank, so the gradient of the whole micro-batch is the SUM over all
   ranks of their local gradients (all-reduce SUM of every ``.grad``, what megatron's DDP does with
   per-token loss; megatron DDP itself needs CUDA, so it is done by hand here); the logged loss is the
-  sum of the ranks' losses (:func:`verl_dyncp.planner.all_reduce_loss`).
+  sum of the ranks' losses.
 """
 
 from __future__ import annotations
@@ -58,13 +58,8 @@ def _cp_step(
     """One planned micro-batch on this rank: local loss, backward, gradients summed over all ranks."""
     import torch.distributed as dist
 
-    from verl_dyncp.planner import (
-        all_reduce_loss,
-        dynamic_cp_split_batch,
-        global_loss_token_count,
-        normalize_token_loss,
-    )
-    from verl_dyncp.thd_attention import thd_packed_seq_params
+    from verl_dyncp.layout import thd_packed_seq_params
+    from verl_dyncp.planner import dynamic_cp_split_batch, global_loss_token_count
 
     model.zero_grad(set_to_none=True)
     mb = dynamic_cp_split_batch(tokens, seq_lens=lengths, groups=groups, **plan)
@@ -75,7 +70,7 @@ def _cp_step(
     )
     per_token = F.cross_entropy(logits[0].float(), b.labels.clamp(min=0), reduction="none")
     count = global_loss_token_count(b.loss_mask, group=groups.full_group)
-    loss = normalize_token_loss(per_token, loss_mask=b.loss_mask, global_token_count=count)
+    loss = torch.where(b.loss_mask, per_token, 0.0).sum() / count
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -90,7 +85,9 @@ def _cp_step(
         "local_count": int(b.loss_mask.sum()),
         "count": int(count),
     }
-    return float(all_reduce_loss(loss, group=groups.full_group)), grads, info
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=groups.full_group)
+    return float(value), grads, info
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -138,8 +138,9 @@ def _run_local(
         params = attach_cp_context(_packed_seq_params(cu_true, cu_padded, device), cp_group=group)
         out = _make_attention(rope=rope, kernel=kernel)(q, k, v, None, packed_seq_params=params)
     else:
+        from verl_dyncp.layout import build_thd_layout
         from verl_dyncp.rope import rope_inv_freq
-        from verl_dyncp.thd_attention import build_thd_layout, thd_attention
+        from verl_dyncp.thd_attention import thd_attention
 
         layout = build_thd_layout(
             cu_seqlens=cu_true, cu_seqlens_padded=cu_padded, cp_size=cp, cp_rank=rank, device=device
@@ -293,7 +294,8 @@ def _emulated_varlen(
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_varlen_key_stream_layout_matches_sdpa_path(cp: int) -> None:
     """The CUDA path's segments (cu_seqlens_q/k, stream_index) give the SDPA path's result on CPU."""
-    from verl_dyncp.thd_attention import _sdpa_attention, build_thd_layout
+    from verl_dyncp.kernels import _sdpa_attention
+    from verl_dyncp.layout import build_thd_layout
 
     seqs = _make_inputs(50, LENGTHS)
     align = 2 * cp
@@ -499,7 +501,7 @@ def test_tiny_gpt_thd_cp2_matches_no_cp_model(tmp_path: Path) -> None:
 def _gpu_worker(rank: int, world_size: int, long: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from verl_dyncp.thd_attention import varlen_kernel_available
+    from verl_dyncp.kernels import varlen_kernel_available
 
     if not varlen_kernel_available():
         return {"skip": "torch.nn.attention.varlen is not available"}
@@ -508,20 +510,9 @@ def _gpu_worker(rank: int, world_size: int, long: bool = False) -> dict[str, Any
     # into the next sequence (2300 -> 2304) and one cut by the row's end (the last); the rest go through varlen
     lengths = (2300, 5, 130, 2048, 1, 77, 2100) if long else (5, 130, 1, 77, 256)
     seqs = _make_inputs(40, lengths, dtype=torch.bfloat16)
-    align = 2 * world_size
-    res = {}
-    for kernel in ("cudnn", "varlen", "sdpa"):
-        res[kernel] = _run_local(
-            seqs,
-            group=group,
-            cp=world_size,
-            rank=rank,
-            align=align,
-            rope=True,
-            kernel=kernel,
-            device="cuda",
-            module=True,
-        )
+    run = {"group": group, "cp": world_size, "rank": rank, "align": 2 * world_size, "rope": True}
+    run |= {"device": "cuda", "module": True}
+    res = {kernel: _run_local(seqs, kernel=kernel, **run) for kernel in ("cudnn", "varlen", "sdpa")}
     return _as_numpy(res)
 
 
@@ -559,14 +550,14 @@ def _check_gpu(world_size: int, long: bool = False) -> None:
 def test_cp1_segment_plan_splits_long_sequences_from_runs_of_short_ones() -> None:
     """CP 1 under "cudnn": each sequence of >= DENSE_MIN_TOKENS alone (window rounded up inside the row), runs of
     shorter sequences together with their own offsets."""
-    from verl_dyncp.thd_attention import (
+    from verl_dyncp.kernels import (
         DENSE_MIN_TOKENS,
         DENSE_WINDOW_MULTIPLE,
         _DenseSegment,
         _segment_plan,
         _VarlenSegment,
-        build_thd_layout,
     )
+    from verl_dyncp.layout import build_thd_layout
 
     assert (DENSE_MIN_TOKENS, DENSE_WINDOW_MULTIPLE) == (2048, 256)
     lens = [100, 30, 2300, 5, 2048, 7, 2100]
@@ -622,7 +613,7 @@ def test_te_kernel_without_transformer_engine_is_a_clear_error() -> None:
 def test_attach_cp_context_switches_te_cp_off_for_cp_size_1() -> None:
     """megatron >= 0.16 reads PackedSeqParams.cp_group / local_cp_size in its TE attention: for a k = 1 micro-batch
     they must say "no CP" (cp_group None, local_cp_size 1); local_cp_size None would keep the previous group."""
-    from verl_dyncp.thd_attention import attach_cp_context, get_cp_context
+    from verl_dyncp.cp_context import attach_cp_context, get_cp_context
     from verl_mcore_utils.compat import make_packed_seq_params, packed_seq_params_fields
 
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
@@ -642,8 +633,8 @@ def test_layout_built_with_the_packed_seq_params_equals_the_one_the_forward_woul
     at CP 1 it is a view of the meta and must equal build_thd_layout's, padded or not."""
     import dataclasses
 
+    from verl_dyncp.layout import build_thd_layout, thd_layout, thd_packed_seq_params
     from verl_dyncp.thd import build_thd_meta
-    from verl_dyncp.thd_attention import build_thd_layout, thd_layout, thd_packed_seq_params
 
     for tp in (1, 4):  # tp 4: sequences padded to the alignment
         meta = build_thd_meta(seq_lens=[5, 130, 1, 77], cp_size=1, cp_rank=0, tp_size=tp, device="cpu")

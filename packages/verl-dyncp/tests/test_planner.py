@@ -7,15 +7,7 @@ import random
 import pytest
 from dyncp_workers import results
 
-from verl_dyncp.planner import (
-    CPBlock,
-    DynamicCPPlan,
-    MixedCPPlan,
-    WorkloadModel,
-    dynamic_cp_size,
-    plan_dynamic_cp,
-    plan_mixed_cp,
-)
+from verl_dyncp.planner import CPBlock, DynamicCPPlan, WorkloadModel, dynamic_cp_size, plan_dynamic_cp
 
 
 @pytest.mark.parametrize(("longest", "k"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)])
@@ -49,6 +41,8 @@ def test_errors_name_lengths_and_limits() -> None:
         WorkloadModel(linear=-1)
     with pytest.raises(ValueError, match="every sequence index exactly once"):
         DynamicCPPlan(seq_lens=(3, 4), dp_cp_size=2, cp_size=1, assignments=((0,), (0,)), loads=(9, 9))
+    with pytest.raises(ValueError, match="not aligned to its size 2"):
+        CPBlock(offset=1, size=2, sequences=(), load=0)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -87,7 +81,7 @@ def test_fewer_sequences_than_groups_and_static() -> None:
 
 def _check_world(world: int) -> None:
     per_rank = results(world)
-    names = ["dynamic_k1", "dynamic_k2", "dynamic_tp2", "few_seqs", "equal_lens", "mixed", "static"]
+    names = ["dynamic_k1", "dynamic_k2", "dynamic_tp2", "few_seqs", "equal_lens", "static"]
     for rank, res in enumerate(per_rank):
         pl = res["planner"]
         for name in names:
@@ -121,112 +115,6 @@ def test_gloo_four_ranks_match_no_cp() -> None:
     _check_world(4)
     per_rank = results(4)
     assert per_rank[0]["planner"]["dynamic_k1"]["assignments"] == ((0,), (5,), (2, 4, 7), (1, 3, 6))
-    # mixed CP sizes in one step: the 30-token sequence on ranks 0-1 (CP 2), the rest on ranks 2 and 3 (CP 1)
-    mixed = per_rank[0]["planner"]["mixed"]
-    assert mixed["blocks"] == ((0, 2), (2, 1), (3, 1))
-    assert mixed["assignments"] == ((0,), (1, 4, 5), (2, 3, 6, 7))
-    assert [r["planner"]["mixed"]["k"] for r in per_rank] == [2, 2, 1, 1]
-
-
-def test_normalize_token_loss_without_process_group() -> None:
-    import torch
-
-    from verl_dyncp.planner import all_reduce_loss, global_loss_token_count, normalize_token_loss
-
-    per_token = torch.tensor([1.0, 2.0, float("nan"), 4.0])
-    mask = torch.tensor([True, True, False, True])
-    count = global_loss_token_count(mask, group=None)
-    assert count.dtype == torch.int64 and int(count) == 3
-    assert float(normalize_token_loss(per_token, loss_mask=mask, global_token_count=count)) == pytest.approx(
-        7 / 3
-    )
-    assert float(normalize_token_loss(per_token, loss_mask=mask, global_token_count=6)) == pytest.approx(
-        7 / 6
-    )
-    empty = torch.zeros(4, dtype=torch.bool)
-    assert float(normalize_token_loss(per_token, loss_mask=empty, global_token_count=0)) == 0.0
-    assert float(all_reduce_loss(torch.tensor(3.0), group=None, duplication=2)) == 1.5
-    with pytest.raises(ValueError, match="differ in shape"):
-        normalize_token_loss(per_token, loss_mask=mask[:2], global_token_count=3)
-
-
-def test_mixed_plan_sizes_blocks_by_need() -> None:
-    # needs: 4000 -> 4, 1500 -> 2, the rest 1 (max 1024 per rank), 8 ranks
-    lens = [4000, 1500, 300, 200, 100, 900, 50]
-    plan = plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None)
-    assert [(b.offset, b.size) for b in plan.blocks][:2] == [(0, 4), (4, 2)]
-    assert plan.blocks[0].sequences == (0,) and plan.blocks[1].sequences == (1,)
-    assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
-    assert all(b.offset % b.size == 0 for b in plan.blocks)
-    assert sum(b.size for b in plan.blocks) == 8
-    assert plan == plan_mixed_cp(lens, dp_cp_size=8, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None)
-    # no room for a separate size-1 block: the short ones share the size-2 block
-    tight = plan_mixed_cp(
-        [3000, 1500, 10], dp_cp_size=4, max_seqlen_per_dp_cp_rank=1024, larger_cp_min_gain=None
-    )
-    assert [(b.offset, b.size, b.sequences) for b in tight.blocks] == [(0, 4, (0, 1, 2))]
-    # one size only: identical to the one-k plan's grouping
-    same = plan_mixed_cp([5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8, larger_cp_min_gain=None)
-    assert [b.sequences for b in same.blocks] == list(
-        plan_dynamic_cp(
-            [5, 6, 7, 8], dp_cp_size=4, max_seqlen_per_dp_cp_rank=8, larger_cp_min_gain=None
-        ).assignments
-    )
-    with pytest.raises(ValueError, match="not aligned to its size 2"):
-        CPBlock(offset=1, size=2, sequences=(), load=0)
-    with pytest.raises(ValueError, match="cover 2 DP x CP ranks, expected 4"):
-        MixedCPPlan(seq_lens=(3,), dp_cp_size=4, blocks=(CPBlock(offset=0, size=2, sequences=(0,), load=9),))
-
-
-def test_mixed_plan_spreads_short_sequences_onto_larger_blocks() -> None:
-    """Many short sequences and one long one: the short ones may run on the long one's block too.
-
-    One size-2 block (the 3000-token sequence) and two size-1 blocks for twenty 1000-token sequences:
-    kept to their own class the two size-1 ranks would carry 10M each against 4.5M per rank on the
-    size-2 block; the plan balances per-rank load to within one sequence's cost of the mean.
-    """
-    lens = [3000] + [1000] * 20
-    plan = plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=2048)
-    assert [(b.offset, b.size) for b in plan.blocks] == [(0, 2), (2, 1), (3, 1)]
-    assert 0 in plan.blocks[0].sequences and len(plan.blocks[0].sequences) > 1
-    per_rank = [b.load / b.size for b in plan.blocks]
-    mean = sum(n * n for n in lens) / 4
-    assert max(per_rank) <= mean + 1000 * 1000, per_rank
-    assert max(per_rank) < 10_000_000
-    assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
-    # a long sequence never lands on a block smaller than it needs
-    assert all(b.size >= 2 for b in plan.blocks if 0 in b.sequences)
-    # with the dense-layer term the balance is per token as well: no rank holds far more tokens
-    hidden = WorkloadModel.for_transformer(hidden_size=2048)
-    tokens = [
-        sum(lens[i] for i in b.sequences) / b.size
-        for b in plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=2048, workload=hidden).blocks
-    ]
-    assert max(tokens) <= sum(lens) / 4 + 1000, tokens
-
-
-def test_mixed_plan_never_loads_a_rank_more_than_the_one_k_plan() -> None:
-    """Random long-tail micro-batches: the mixed plan's busiest rank (modelled work) is never worse than
-    the one-k plan's, its largest block is the one-k plan's size, and some batches do get smaller blocks."""
-    import random
-
-    rng = random.Random(0)
-    workload = WorkloadModel.for_transformer(hidden_size=2048)
-    smaller = 0
-    for _ in range(200):
-        n = rng.choice([2, 4, 8])
-        lens = [min(int(rng.lognormvariate(7.3, 0.9)) + 1, 4096 * n) for _ in range(rng.randint(1, 24))]
-        one_k = plan_dynamic_cp(lens, dp_cp_size=n, max_seqlen_per_dp_cp_rank=4096, workload=workload)
-        mixed = plan_mixed_cp(lens, dp_cp_size=n, max_seqlen_per_dp_cp_rank=4096, workload=workload)
-        assert max(b.load / b.size for b in mixed.blocks) <= max(one_k.loads) / one_k.cp_size
-        assert max(b.size for b in mixed.blocks) == one_k.cp_size
-        for b in mixed.blocks:  # every sequence on a block at least as large as it needs
-            assert all(
-                b.size >= dynamic_cp_size(lens[i], max_seqlen_per_dp_cp_rank=4096, dp_cp_size=n)
-                for i in b.sequences
-            )
-        smaller += len({b.size for b in mixed.blocks}) > 1
-    assert smaller > 0  # some batches do get several CP sizes
 
 
 def test_refinement_fixes_the_lpt_counter_example() -> None:
@@ -243,34 +131,26 @@ def test_refinement_fixes_the_lpt_counter_example() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_refinement_never_worse_than_lpt_and_keeps_the_invariants(seed: int) -> None:
-    """Random long-tail micro-batches, one-k and mixed plans: the refined busiest rank is never above LPT's,
-    the LPT bound still holds, no sequence is lost or duplicated, no block is emptied, every sequence sits
-    on a block at least as large as it needs, and the plan is deterministic."""
+    """Random long-tail micro-batches: the refined busiest rank is never above LPT's, the LPT bound still
+    holds, no sequence is lost or duplicated, no group is emptied, every sequence sits on a group at least
+    as large as it needs, and the plan is deterministic."""
     rng = random.Random(seed)
     workload = WorkloadModel.for_transformer(hidden_size=1536)
     n = rng.choice([2, 4, 8, 16])
     lens = [min(int(rng.lognormvariate(7.6, 1.2)) + 1, 4096 * n) for _ in range(rng.randint(n, 4 * n))]
     kw = {"dp_cp_size": n, "max_seqlen_per_dp_cp_rank": 4096, "workload": workload}
     costs = [workload.cost(x) for x in lens]
-    for plan_fn in (plan_dynamic_cp, plan_mixed_cp):
-        lpt, refined = plan_fn(lens, refine=False, **kw), plan_fn(lens, **kw)
-
-        def peak(plan) -> float:
-            return max(b.load / b.size for b in plan.blocks)
-
-        assert peak(refined) <= peak(lpt)
-        assert sorted(i for b in refined.blocks for i in b.sequences) == list(range(len(lens)))
-        for b in refined.blocks:
-            assert b.load == sum(costs[i] for i in b.sequences)
-            assert all(
-                b.size >= dynamic_cp_size(lens[i], max_seqlen_per_dp_cp_rank=4096, dp_cp_size=n)
-                for i in b.sequences
-            )
-        if plan_fn is plan_dynamic_cp:
-            assert max(refined.loads) <= sum(costs) / refined.num_groups + max(costs)
-            if len(lens) >= refined.num_groups:
-                assert not refined.idle_groups
-        assert plan_fn(lens, **kw) == refined
+    lpt, refined = plan_dynamic_cp(lens, refine=False, **kw), plan_dynamic_cp(lens, **kw)
+    assert max(refined.loads) / refined.cp_size <= max(lpt.loads) / lpt.cp_size
+    assert sorted(i for b in refined.blocks for i in b.sequences) == list(range(len(lens)))
+    for b in refined.blocks:
+        assert b.load == sum(costs[i] for i in b.sequences)
+    need = max(dynamic_cp_size(x, max_seqlen_per_dp_cp_rank=4096, dp_cp_size=n) for x in lens)
+    assert refined.cp_size >= need
+    assert max(refined.loads) <= sum(costs) / refined.num_groups + max(costs)
+    if len(lens) >= refined.num_groups:
+        assert not refined.idle_groups
+    assert plan_dynamic_cp(lens, **kw) == refined
 
 
 def test_refinement_lowers_the_busiest_rank_on_long_tails() -> None:
@@ -331,9 +211,6 @@ def test_a_larger_cp_group_when_one_sequence_outweighs_a_rank_share() -> None:
                            larger_cp_min_gain=0.0).cp_size == 4  # fmt: skip
     with pytest.raises(ValueError, match=r"larger_cp_min_gain must be in \[0, 1\) or None, got 1.5"):
         plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192, larger_cp_min_gain=1.5)
-    # the mixed plan starts from the same size
-    assert max(b.size for b in plan_mixed_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=8192,
-                                             workload=shape).blocks) == 2  # fmt: skip
 
 
 def test_workload_model_from_a_megatron_transformer_config() -> None:
@@ -369,20 +246,15 @@ def test_token_cap_keeps_ranks_within_the_micro_batch_budget() -> None:
             lens.append(min(max(int(rng.lognormvariate(7.6, 1.2)), 256), 32768))
         lens.pop()
         for c in (None, cap):
-            for fn in (plan_dynamic_cp, plan_mixed_cp):
-                plan = fn(
-                    lens,
-                    dp_cp_size=n,
-                    max_seqlen_per_dp_cp_rank=cap,
-                    workload=workload,
-                    max_tokens_per_rank=c,
-                )
-                assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
-                tokens = max(-(-sum(lens[i] for i in b.sequences) // b.size) for b in plan.blocks)
-                over[c] += tokens > cap
-                worst[c] = max(worst[c], tokens / cap)
+            plan = plan_dynamic_cp(
+                lens, dp_cp_size=n, max_seqlen_per_dp_cp_rank=cap, workload=workload, max_tokens_per_rank=c
+            )
+            assert sorted(i for b in plan.blocks for i in b.sequences) == list(range(len(lens)))
+            tokens = max(-(-sum(lens[i] for i in b.sequences) // b.size) for b in plan.blocks)
+            over[c] += tokens > cap
+            worst[c] = max(worst[c], tokens / cap)
     assert over[None] >= 60, over  # without the cap: most micro-batches overshoot
-    assert over[cap] <= 0.1 * 240 and worst[cap] <= 1.1, (over, worst)
+    assert over[cap] <= 0.1 * 120 and worst[cap] <= 1.1, (over, worst)
     assert worst[cap] < worst[None], worst
     with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int, got 0"):
         plan_dynamic_cp([5], dp_cp_size=2, max_seqlen_per_dp_cp_rank=8, max_tokens_per_rank=0)

@@ -1,7 +1,7 @@
 """megatron-core ``core_attention`` for packed (THD) batches under a per-batch (dynamic) CP group.
 
 The work is done by :func:`verl_dyncp.thd_attention.thd_attention` (layout contract, CP algorithm and
-kernels are documented there); this module adapts megatron-core's core-attention contract to it: the
+kernels: the package README); this module adapts megatron-core's core-attention contract to it: the
 constructor takes megatron's keyword arguments, ``forward`` gets ``[T, heads, dim]`` tensors and
 ``packed_seq_params`` (the CP group travels on it, see :func:`attach_cp_context`), and RoPE settings
 come from :func:`dyncp_core_attention` since megatron-core 0.19 instantiates the spec's class itself.
@@ -19,14 +19,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from verl_dyncp.cp_context import CPContext, attach_cp_context, get_cp_context
+from verl_dyncp.layout import thd_layout
 from verl_dyncp.rope import apply_rope, rope_inv_freq
-from verl_dyncp.thd_attention import (
-    CPContext,
-    attach_cp_context,
-    get_cp_context,
-    thd_attention,
-    thd_layout,
-)
+from verl_dyncp.thd_attention import thd_attention
 
 __all__ = ["CPContext", "DynCPCoreAttention", "attach_cp_context", "dyncp_core_attention"]
 

@@ -1,21 +1,8 @@
 """Packed (THD) sequences split over a context-parallel group with zigzag load balancing, and back.
 
-A micro-batch is a packed tensor of ``T = sum(seq_lens)`` tokens (dim 0) holding variable-length
-sequences back to back. For a CP group of size ``cp`` (and tensor-parallel size ``tp``):
-
-* every sequence is padded at its end to a multiple of ``alignment = tp * cp * 2`` (``tp`` when
-  ``cp == 1``), so the 2 * cp zigzag chunks are equal and each is divisible by ``tp`` (sequence
-  parallelism splits the tokens again);
-* with ``h = padded_len / (2 * cp)``, CP rank ``r`` holds chunk ``[r*h, (r+1)*h)`` and chunk
-  ``[padded_len-(r+1)*h, padded_len-r*h)`` of every sequence, so causal attention costs the same on
-  every rank. With ``cp == 1`` the "first chunk" is the whole padded sequence and the second is empty;
-* positions are the no-CP run's positions (``0 .. len-1`` within each sequence, padding continues
-  the count and is flagged), and labels are taken from the full input before the split, so the
-  label of every token, chunk borders included, is the true next token of its sequence.
-
-Everything is computed from the sequence lengths alone (:func:`build_thd_meta`), so every rank can
-compute every other rank's layout without communication; :func:`postprocess_thd_engine` uses that to
-reassemble gathered outputs. Only ``torch`` is imported: no megatron-core, no Transformer Engine.
+Everything is computed from the sequence lengths alone (:func:`build_thd_meta`), so every rank can compute
+every other rank's layout without communication. Only ``torch`` is imported. The layout is described in
+the package README.
 """
 
 from __future__ import annotations
@@ -212,6 +199,42 @@ class THDPackedMeta:
         return torch.where(mask, picked, torch.full((), fill, dtype=tensor.dtype, device=tensor.device))
 
 
+def _padded(
+    lens: torch.Tensor, *, padded_lens: Sequence[int] | None, cp_size: int, align: int
+) -> tuple[torch.Tensor, int]:
+    """The padded lengths and the alignment they keep: ``lens`` rounded up to ``align``, or ``padded_lens``
+    (multiples of ``2 * cp`` under CP)."""
+    if padded_lens is None:
+        return (lens + align - 1) // align * align, align
+    padded = torch.tensor([int(p) for p in padded_lens], dtype=torch.int64)
+    if padded.shape != lens.shape:
+        raise ValueError(f"{len(padded)} padded lengths for {len(lens)} sequences")
+    return padded, 1 if cp_size == 1 else 2 * cp_size
+
+
+def _gather_maps(
+    global_indices: list[torch.Tensor], *, lens: torch.Tensor, cu: torch.Tensor, cu_pad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row of every padded token, and of every real token, in the buffer of all ranks' local tokens
+    (rank-major); ``global_indices[r]``: the padded position of each of rank ``r``'s local tokens."""
+    n_local = global_indices[0].numel()
+    padded_to_gathered = torch.empty(n_local * len(global_indices), dtype=torch.int64)
+    for rank, g in enumerate(global_indices):
+        padded_to_gathered[g] = torch.arange(rank * n_local, (rank + 1) * n_local)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    unpadded_pos = torch.arange(int(lens.sum())) - cu[:-1][seq_of_token]
+    return padded_to_gathered, padded_to_gathered[cu_pad[:-1][seq_of_token] + unpadded_pos]
+
+
+def _key_prefix_lens(
+    padded: torch.Tensor, chunk: torch.Tensor, *, cp_size: int, cp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the keys the first and the second local chunk attend to (a prefix of the sequence)."""
+    if cp_size == 1:
+        return padded, torch.zeros_like(padded)
+    return (cp_rank + 1) * chunk, padded - cp_rank * chunk
+
+
 def build_thd_meta(
     *,
     seq_lens: Sequence[int] | torch.Tensor,
@@ -232,13 +255,7 @@ def build_thd_meta(
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
     lens = torch.tensor(lens_t, dtype=torch.int64)
-    if padded_lens is None:
-        padded = (lens + align - 1) // align * align
-    else:
-        align = 1 if cp_size == 1 else 2 * cp_size
-        padded = torch.tensor([int(p) for p in padded_lens], dtype=torch.int64)
-        if padded.shape != lens.shape:
-            raise ValueError(f"{len(padded)} padded lengths for {len(lens_t)} sequences")
+    padded, align = _padded(lens, padded_lens=padded_lens, cp_size=cp_size, align=align)
     local_lens = padded // cp_size
     chunk = padded if cp_size == 1 else padded // (2 * cp_size)
     cu, cu_pad, cu_local = _cu(lens), _cu(padded), _cu(local_lens)
@@ -252,21 +269,10 @@ def build_thd_meta(
     source = torch.where(pos < length, cu[seq] + pos, -1)
     label = torch.where(pos + 1 < length, cu[seq] + pos + 1, -1)
 
-    total_padded = int(padded.sum())
-    n_local = total_padded // cp_size
-    padded_to_gathered = torch.empty(total_padded, dtype=torch.int64)
-    for rank in range(cp_size):
-        g = global_index if rank == cp_rank else layout(rank)[3]
-        padded_to_gathered[g] = torch.arange(rank * n_local, (rank + 1) * n_local)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lens_t)), lens)
-    unpadded_pos = torch.arange(int(lens.sum())) - cu[:-1][seq_of_token]
-    unpadded_to_gathered = padded_to_gathered[cu_pad[:-1][seq_of_token] + unpadded_pos]
-
+    global_indices = [global_index if r == cp_rank else layout(r)[3] for r in range(cp_size)]
+    padded_to_gathered, unpadded_to_gathered = _gather_maps(global_indices, lens=lens, cu=cu, cu_pad=cu_pad)
     first = j < chunk[seq]
-    if cp_size == 1:
-        kv_first_lens, kv_second_lens = padded, torch.zeros_like(padded)
-    else:
-        kv_first_lens, kv_second_lens = (cp_rank + 1) * chunk, padded - cp_rank * chunk
+    kv_first_lens, kv_second_lens = _key_prefix_lens(padded, chunk, cp_size=cp_size, cp_rank=cp_rank)
     q_second_lens = local_lens - chunk
 
     def i32(t: torch.Tensor) -> torch.Tensor:
