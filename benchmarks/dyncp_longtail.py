@@ -63,27 +63,37 @@ def lengths_for_steps(
     return out
 
 
-def layout_for(name: str, args: argparse.Namespace) -> Any:
-    from verl_engine.packed import CPLayout
-
+def layout_overrides(name: str, args: argparse.Namespace) -> list[str]:
+    """The megatron section's CP keys of a layout name: none, static<k>, dynamic[@max_seqlen_per_dp_cp_rank]."""
     name = name.partition("+")[0]  # "+te": the attention backend, not the layout
-    budget = args.tokens_per_rank
     if name == "none":
-        return CPLayout(static_cp_size=1, max_tokens_per_rank=budget)
+        return ["megatron.context_parallel_size=1"]
     if name.startswith("static"):
-        return CPLayout(static_cp_size=int(name[len("static") :]), max_tokens_per_rank=budget)
+        return [f"megatron.context_parallel_size={int(name[len('static') :])}"]
     _, _, seqlen = name.partition("@")  # "dynamic@8192": another max_seqlen_per_dp_cp_rank
-    return CPLayout(
-        dynamic=True,
-        max_seqlen_per_dp_cp_rank=int(seqlen) if seqlen else args.max_seqlen,
-        max_tokens_per_rank=budget,
-    )
+    return [
+        "megatron.dynamic_context_parallel=true",
+        f"megatron.max_seqlen_per_dp_cp_rank={int(seqlen) if seqlen else args.max_seqlen}",
+    ]
+
+
+def step_data(lens: list[int], *, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random sequences of ``lens`` in verl's layout (first token the prompt, the rest the trained response)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lens)
+    ids = torch.zeros((len(lens), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        ids[i, :n] = torch.randint(0, vocab, (n,), generator=g)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, 1:].clone()}
 
 
 def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]], dims: Any) -> dict[str, Any]:
     from verl_config import SFTConfig, load_config
-    from verl_engine.engine import build_engine
-    from verl_engine.packed import PackedBatch
+    from verl_engine.build import build_rl_engine
+    from verl_engine.losses import sft_loss
+    from verl_engine.micro_batching import MicroBatching
     from verl_mcore_utils.presets import qwen2_preset
 
     cfg = load_config(
@@ -95,6 +105,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             "optim.lr=1e-4",
             "optim.lr_warmup_steps=0",
             f"megatron.packed_attention_backend={name.partition('+')[2] or 'auto'}",
+            *layout_overrides(name, args),
         ],
     )
     hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768)
@@ -104,28 +115,31 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine = build_engine(cfg, hf_config=hf, dims=dims, device=device, cp_layout=layout_for(name, args))
+    engine = build_rl_engine(
+        engine=cfg.megatron,
+        model_path=None,
+        optim=cfg.optim,
+        micro_batching=MicroBatching(use_dynamic_bsz=True, max_token_len_per_gpu=args.tokens_per_rank),
+        device=device,
+        hf_config=hf,
+        total_training_steps=len(steps_lens),
+    )
     step_times, losses, plans = [], [], []
     real_tokens = []
     for step, lens in enumerate(steps_lens):
-        g = torch.Generator().manual_seed(1000 + step)
-        batch = PackedBatch(
-            input_ids=torch.randint(0, args.vocab, (sum(lens),), generator=g), seq_lens=tuple(lens)
-        )
+        batch = step_data(lens, vocab=args.vocab, seed=1000 + step)
         if step == 0:
-            plans = [
-                sorted({b.size for b in mb.plan.blocks}, reverse=True)
-                for _, mb, _ in engine._prepare_packed(batch)
-            ]
+            plans = [list(sizes) for sizes in engine.plan_cp_sizes(batch)]
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
         start = time.perf_counter()
-        metrics = engine.train_step_packed(batch, lr=cfg.optim.lr)
+        with engine.train_mode():
+            out = engine.train_batch(batch, sft_loss)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        losses.append(metrics.loss)
+        losses.append(float(out["loss"]))
         if step >= args.warmup:
             step_times.append(elapsed)
             real_tokens.append(sum(lens))
@@ -134,7 +148,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     t = torch.tensor([sum(step_times)], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock: a step ends when all ranks end
     result = {
-        "layout": layout_for(name, args).describe(),
+        "layout": engine.cp_layout.describe(),
         "attention": cfg.megatron.packed_attention_backend,
         "tokens_per_s": sum(real_tokens) / float(t.item()),
         "step_time_s_mean": float(t.item()) / len(step_times),
@@ -143,7 +157,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         "losses": losses,
         "micro_batch_cp_sizes_step0": plans,
     }
-    del engine
+    engine.close()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -57,8 +57,6 @@ def test_layout_errors_name_the_key() -> None:
         CPLayout(static_cp_size=3, max_tokens_per_rank=8)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
         CPLayout(static_cp_size=2)
-    with pytest.raises(ValueError, match="mixed"):
-        CPLayout(static_cp_size=2, max_tokens_per_rank=8, mixed=True)
     assert CPLayout(dynamic=True, max_seqlen_per_dp_cp_rank=64).token_budget_per_rank == 64
 
 
@@ -83,7 +81,7 @@ def test_layout_from_the_unified_trainer_config_and_sft_config() -> None:
         ],
     )
     layout = cp_layout_from_config(cfg.actor_rollout_ref.actor.megatron)
-    assert layout.dynamic and layout.plan_kwargs() == {"max_seqlen_per_dp_cp_rank": 4096, "mixed": False}
+    assert layout.dynamic and layout.plan_kwargs() == {"max_seqlen_per_dp_cp_rank": 4096}
     static = load_config(
         "ppo_trainer",
         overrides=[

@@ -82,7 +82,6 @@ def dynamic_cp_split_batch(
     ignore_index: int = -100,
     label_mask: torch.Tensor | None = None,
     workload: WorkloadModel | None = None,
-    mixed: bool = False,
     larger_cp_min_gain: float | None = DEFAULT_LARGER_CP_MIN_GAIN,
     max_tokens_per_rank: int | None = None,
 ) -> DynamicCPMicroBatch:
@@ -90,13 +89,8 @@ def dynamic_cp_split_batch(
 
     ``input_ids`` (and ``label_mask``, if given) hold the whole micro-batch packed (dim 0 =
     ``sum(seq_lens)``) on every DP x CP rank; split other per-token tensors of the micro-batch (advantages,
-    old log-probs, ...) with :func:`dynamic_cp_take`. ``mixed`` must stay False: several CP sizes in one
-    micro-batch are no longer planned (the keyword remains while verl-engine's CPLayout passes it).
+    old log-probs, ...) with :func:`dynamic_cp_take`.
     """
-    if mixed:
-        raise ValueError(
-            "mixed CP sizes in one micro-batch are no longer supported; use one CP size (mixed=False)"
-        )
     plan = plan_dynamic_cp(
         seq_lens,
         dp_cp_size=groups.world_size,

@@ -342,6 +342,15 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         )
         return self._finish_call(call)
 
+    def plan_cp_sizes(self, data: Mapping[str, Any]) -> list[tuple[int, ...]]:
+        """The CP sizes verl-dyncp's planner gives each micro-batch of ``data`` (largest first): what a call
+        on this batch runs. Every rank must call it (the batch is checked to be the same everywhere)."""
+        batch = RLBatch.from_data(data)
+        check_same_batch_on_every_rank(
+            batch.packed, device=self.device, message="ranks were given different batches to plan"
+        )
+        return [tuple(sorted({b.size for b in p.split.plan.blocks}, reverse=True)) for p in self._plan(batch)]
+
     def _start_call(
         self, data: Mapping[str, Any], loss_function: LossFunction | None, *, forward_only: bool
     ) -> _Call:

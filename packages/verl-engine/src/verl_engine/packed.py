@@ -133,15 +133,13 @@ class CPLayout:
     ``dynamic``: CP size per micro-batch from ``max_seqlen_per_dp_cp_rank``; else every micro-batch uses
     ``static_cp_size`` (1 = no CP, plain data parallelism over the pool). ``max_tokens_per_rank``: the
     micro-batch token budget per rank (a micro-batch holds at most that times the pool size); defaults to
-    ``max_seqlen_per_dp_cp_rank`` under dynamic CP. ``mixed``: allow several CP sizes inside one
-    micro-batch (verl-dyncp's mixed plan).
+    ``max_seqlen_per_dp_cp_rank`` under dynamic CP.
     """
 
     dynamic: bool = False
     static_cp_size: int = 1
     max_seqlen_per_dp_cp_rank: int | None = None
     max_tokens_per_rank: int | None = None
-    mixed: bool = False
 
     def __post_init__(self) -> None:
         if self.dynamic:
@@ -159,8 +157,6 @@ class CPLayout:
             k = self.static_cp_size
             if k < 1 or k & (k - 1):
                 raise ValueError(f"static context_parallel_size must be a power of two >= 1, got {k}")
-            if self.mixed:
-                raise ValueError("mixed CP sizes need dynamic_context_parallel=true")
         budget = self.token_budget_per_rank
         if budget is None or budget < 1:
             raise ValueError(
@@ -177,13 +173,12 @@ class CPLayout:
     def plan_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of verl_dyncp.dynamic_cp_split_batch for this layout."""
         if self.dynamic:
-            return {"max_seqlen_per_dp_cp_rank": self.max_seqlen_per_dp_cp_rank, "mixed": self.mixed}
+            return {"max_seqlen_per_dp_cp_rank": self.max_seqlen_per_dp_cp_rank}
         return {"static_cp_size": self.static_cp_size}
 
     def describe(self) -> str:
         if self.dynamic:
-            kind = "mixed dynamic" if self.mixed else "dynamic"
-            return f"{kind} CP (max_seqlen_per_dp_cp_rank={self.max_seqlen_per_dp_cp_rank})"
+            return f"dynamic CP (max_seqlen_per_dp_cp_rank={self.max_seqlen_per_dp_cp_rank})"
         return "no CP" if self.static_cp_size == 1 else f"static CP {self.static_cp_size}"
 
 
