@@ -53,7 +53,9 @@ def _engine(
         model_path=None,
         optim=cfg.optim,
         micro_batching=MicroBatching(
-            use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens_per_rank or 1 << 30
+            use_dynamic_bsz=True,
+            # the budget per rank; under dynamic CP it defaults to max_seqlen_per_dp_cp_rank (as CPLayout's)
+            max_token_len_per_gpu=max_tokens_per_rank or cfg.megatron.max_seqlen_per_dp_cp_rank or 1 << 30,
         ),
         device=dev,
         hf_config=hf,

@@ -18,10 +18,10 @@ from verl_engine.losses import sft_loss
 def sft_data(batch: Any) -> dict[str, torch.Tensor]:
     """A packed batch in verl's layout: prompt = the first token, response = the rest (right-padded)."""
     lens = list(batch.seq_lens)
-    width = max(lens)
+    width = max(lens, default=1)
     ids = torch.zeros((len(lens), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    targets = batch.target_mask() if batch.label_mask is not None else None
+    targets = batch.target_mask if batch.label_mask is not None else None
     response_mask = torch.zeros((len(lens), width - 1), dtype=torch.long)
     for i, (seq, n) in enumerate(zip(torch.split(batch.input_ids, lens), lens, strict=True)):
         ids[i, :n] = seq

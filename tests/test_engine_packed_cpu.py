@@ -117,7 +117,7 @@ def test_cp_layouts_match_no_cp(reference: dict, initial_weights: str, world: in
         else:
             k = int(overrides[0].split("=")[1])
             assert {s for step in plan for mb in step for s in mb} == {k}
-        assert "CP" in results[0]["engine"]["packed"]
+        assert "CP" in results[0]["engine"]["cp_layout"]
 
 
 def test_bad_batches_are_clear_errors_on_every_rank() -> None:
@@ -136,6 +136,6 @@ def test_bad_batches_are_clear_errors_on_every_rank() -> None:
         too_long, empty, mismatch, after = messages
         assert "70" in too_long and "max_seqlen_per_dp_cp_rank" in too_long and "64" in too_long, too_long
         assert "empty batch" in empty, empty
-        assert "different packed batches" in mismatch, mismatch
+        assert "different batches" in mismatch, mismatch
         assert after.startswith("then trained")
     assert len({tuple(m) for m in results}) == 1  # the same errors everywhere

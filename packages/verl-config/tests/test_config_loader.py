@@ -171,3 +171,12 @@ def test_ddp_and_optimizer_read_one_distributed_optimizer_setting(overrides: lis
         ],
     )
     assert agreeing.megatron.use_distributed_optimizer is False
+
+
+def test_sft_warm_up_must_end_before_the_last_step() -> None:
+    with pytest.raises(
+        ConfigValueError, match=r"optim.lr_warmup_steps: is 10 but trainer.total_training_steps is 3"
+    ):
+        load_config(SFTConfig, overrides=["trainer.total_training_steps=3"])
+    cfg = load_config(SFTConfig, overrides=["trainer.total_training_steps=3", "optim.lr_warmup_steps=0"])
+    assert cfg.optim.lr_warmup_steps == 0

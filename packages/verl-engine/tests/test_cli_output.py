@@ -31,6 +31,7 @@ def test_train_stderr_has_only_our_warnings(tmp_path: Path) -> None:
             "--preset=tiny",
             f"--output-dir={tmp_path / 'run'}",
             "megatron.override_ddp_config.bucket_size=40000000",
+            "optim.lr_warmup_steps=0",
         ],
         capture_output=True,
         text=True,

@@ -69,6 +69,7 @@ def test_cli_flags_map_to_config_keys() -> None:
             "--device",
             "cpu",
             "optim.lr=0.01",
+            "optim.lr_warmup_steps=2",
         ]
     )
     assert (cfg.trainer.total_training_steps, cfg.model.preset, cfg.data.micro_batch_size_per_gpu) == (

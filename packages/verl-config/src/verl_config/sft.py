@@ -123,6 +123,15 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
+    def __post_init__(self) -> None:
+        warmup, steps = self.optim.lr_warmup_steps, self.trainer.total_training_steps
+        if warmup > 0 and warmup >= steps:
+            raise ConfigValueError(
+                "optim.lr_warmup_steps",
+                f"is {warmup} but trainer.total_training_steps is {steps}; the warm-up must end before the last"
+                f" step (megatron-core's schedule): give optim.lr_warmup_steps < {steps}, e.g. optim.lr_warmup_steps=0",
+            )
+
     def check_world_size(self, world_size: int) -> int:
         """Validate the batch and parallel layout for ``world_size`` processes; return the DP size."""
         from verl_config.validation import check_parallel_layout

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_dyncp.layout import ThdLayout
+from verl_mcore_utils.transfer import to_device_async
 
 __all__ = ["DENSE_MIN_TOKENS", "DENSE_WINDOW_MULTIPLE", "attend", "pick_kernel", "varlen_kernel_available"]
 
@@ -139,7 +140,8 @@ def _segment_plan(layout: ThdLayout) -> tuple[Any, ...]:
         if run:
             start = run[0][0]
             offsets = [0, *itertools.accumulate(n for _, n in run)]
-            cu = torch.tensor(offsets, dtype=torch.int32, device=layout.cu_seqlens_q.device)
+            # from page-locked memory, queued on the stream: a plain copy would make the host wait for the GPU
+            cu = to_device_async(torch.tensor(offsets, dtype=torch.int32), layout.cu_seqlens_q.device)
             plan.append(_VarlenSegment(start, start + offsets[-1], cu, max(n for _, n in run)))
             run.clear()
 
