@@ -15,24 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from vocab_testing import LargestTensor, close, output_grads, seeded_labels, tp_worker, vocab_shard
 
 from verl_engine.fused_head import fused_lm_head_log_probs
 from verl_mcore_utils.testing import run_distributed
-
-IGNORE = -100
 
 
 def _case(
     *, seed: int, lead: tuple[int, ...], vocab: int, hidden: int = 16, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, vocab, lead, generator=gen)
-    flat = labels.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 5)]] = IGNORE
-    flat[-1] = vocab  # just past the vocabulary: ignored too
+    labels = seeded_labels(gen, lead=lead, vocab=vocab)
     return {
         "hidden": torch.randn((*lead, hidden), generator=gen).to(dtype),
         "weight": (torch.randn((vocab, hidden), generator=gen) * 0.7).to(dtype),
@@ -69,42 +62,20 @@ def _reference(case: dict[str, torch.Tensor], *, temperature: float, entropy: bo
 
 
 def _ours(
-    case: dict[str, torch.Tensor],
-    *,
-    weight: torch.Tensor | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    temperature: float,
-    chunk_size: int,
-    compute_entropy: bool = True,
+    case: dict[str, torch.Tensor], *, weight: torch.Tensor | None = None, **options: Any
 ) -> dict[str, Any]:
+    """Outputs of the function under test (``options``: its keywords) and the gradients of the hidden states
+    and of the weight for the case's grads."""
     hidden = case["hidden"].detach().requires_grad_()
     weight = (case["weight"] if weight is None else weight).detach().requires_grad_()
-    log_probs, entropy = fused_lm_head_log_probs(
-        hidden,
-        weight,
-        case["labels"],
-        tp_group=tp_group,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        chunk_size=chunk_size,
-    )
-    outputs, grads = [log_probs], [case["grad_log_probs"]]
-    if entropy is not None:
-        outputs.append(entropy)
-        grads.append(case["grad_entropy"])
-    grad_hidden, grad_weight = torch.autograd.grad(outputs, (hidden, weight), grads)
+    log_probs, entropy = fused_lm_head_log_probs(hidden, weight, case["labels"], **options)
+    grad_hidden, grad_weight = output_grads(case, log_probs, entropy, inputs=[hidden, weight])
     return {
         "log_probs": log_probs.detach(),
         "entropy": None if entropy is None else entropy.detach(),
         "grad_hidden": grad_hidden,
         "grad_weight": grad_weight,
     }
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5) -> None:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    atol = rtol * float(expected.abs().max())
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=0.0, atol=atol)
 
 
 @pytest.mark.parametrize(
@@ -123,13 +94,13 @@ def test_matches_float64_reference_without_tp(
     ours = _ours(case, temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
     ref = _reference(case, temperature=temperature, entropy=compute_entropy)
     assert ours["log_probs"].shape == lead and ours["log_probs"].dtype == torch.float32
-    _close(ours["log_probs"], ref["log_probs"])
+    close(ours["log_probs"], ref["log_probs"])
     if compute_entropy:
-        _close(ours["entropy"], ref["entropy"])
+        close(ours["entropy"], ref["entropy"])
     else:
         assert ours["entropy"] is None
-    _close(ours["grad_hidden"], ref["grad_hidden"])
-    _close(ours["grad_weight"], ref["grad_weight"])
+    close(ours["grad_hidden"], ref["grad_hidden"])
+    close(ours["grad_weight"], ref["grad_weight"])
 
 
 def test_bf16_inputs_give_bf16_gradients() -> None:
@@ -137,10 +108,10 @@ def test_bf16_inputs_give_bf16_gradients() -> None:
     ours = _ours(case, temperature=0.8, chunk_size=5)
     ref = _reference(case, temperature=0.8)
     assert ours["grad_hidden"].dtype == torch.bfloat16 and ours["grad_weight"].dtype == torch.bfloat16
-    _close(ours["log_probs"], ref["log_probs"])
-    _close(ours["entropy"], ref["entropy"])
-    _close(ours["grad_hidden"], ref["grad_hidden"], rtol=2**-7)
-    _close(ours["grad_weight"], ref["grad_weight"], rtol=2**-7)
+    close(ours["log_probs"], ref["log_probs"])
+    close(ours["entropy"], ref["entropy"])
+    close(ours["grad_hidden"], ref["grad_hidden"], rtol=2**-7)
+    close(ours["grad_weight"], ref["grad_weight"], rtol=2**-7)
 
 
 def test_ignored_labels_and_argument_checks() -> None:
@@ -158,21 +129,6 @@ def test_ignored_labels_and_argument_checks() -> None:
         fused_lm_head_log_probs(case["hidden"], case["weight"], case["labels"], chunk_size=0)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces (any dtype)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
-
-
 def test_no_tokens_by_vocab_tensor_is_ever_created() -> None:
     """Forward and backward stay within one chunk of logits (or the weight's own size)."""
     tokens, vocab, hidden, chunk = 64, 256, 8, 6
@@ -181,10 +137,10 @@ def test_no_tokens_by_vocab_tensor_is_ever_created() -> None:
     w = case["weight"].requires_grad_()
     bound = max(chunk * vocab, vocab * hidden)
     assert bound * 8 <= tokens * vocab  # the bound is far below a full logits tensor
-    with _LargestTensor() as forward_mode:
+    with LargestTensor() as forward_mode:
         log_probs, entropy = fused_lm_head_log_probs(h, w, case["labels"], temperature=0.7, chunk_size=chunk)
     assert entropy is not None
-    with _LargestTensor() as backward_mode:
+    with LargestTensor() as backward_mode:
         torch.autograd.grad((log_probs, entropy), (h, w), (case["grad_log_probs"], case["grad_entropy"]))
     assert 0 < forward_mode.largest <= bound
     assert 0 < backward_mode.largest <= bound
@@ -199,25 +155,13 @@ _TP_CASES = [  # (seed, lead, vocab, temperature, chunk_size, compute_entropy); 
 ]
 
 
-def _tp_worker(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """Every rank: the whole hidden states, this rank's vocabulary rows of the weight, a fresh TP group."""
-    group = dist.new_group(list(range(world_size)))
-    results = []
-    for seed, lead, vocab, temperature, chunk_size, compute_entropy in cases:
-        case = _case(seed=seed, lead=lead, vocab=vocab)
-        local = vocab // world_size
-        shard = case["weight"][rank * local : (rank + 1) * local].contiguous()
-        results.append(
-            _ours(
-                case,
-                weight=shard,
-                tp_group=group,
-                temperature=temperature,
-                chunk_size=chunk_size,
-                compute_entropy=compute_entropy,
-            )
-        )
-    return results
+def _tp_case(params: tuple[Any, ...], *, rank: int, world_size: int, tp_group: Any) -> dict[str, Any]:
+    """One case on one rank: the whole hidden states, this rank's vocabulary rows of the weight."""
+    seed, lead, vocab, temperature, chunk_size, compute_entropy = params
+    case = _case(seed=seed, lead=lead, vocab=vocab)
+    shard = vocab_shard(case["weight"], dim=0, rank=rank, world_size=world_size)
+    options = {"temperature": temperature, "chunk_size": chunk_size, "compute_entropy": compute_entropy}
+    return _ours(case, weight=shard, tp_group=tp_group, **options)
 
 
 @pytest.mark.slow
@@ -225,13 +169,15 @@ def _tp_worker(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list
 def test_matches_float64_reference_with_tp(tp: int) -> None:
     """Outputs replicated on every rank; the hidden states' gradient is this rank's share (megatron's
     copy-to-TP region sums the shares in backward), the weight's gradient is this rank's rows."""
-    per_rank = run_distributed(_tp_worker, world_size=tp, args=(_TP_CASES,), backend="gloo", timeout_s=240)
+    per_rank = run_distributed(
+        tp_worker, world_size=tp, args=(_TP_CASES, _tp_case), backend="gloo", timeout_s=240
+    )
     for index, (seed, lead, vocab, temperature, _, compute_entropy) in enumerate(_TP_CASES):
         case = _case(seed=seed, lead=lead, vocab=vocab)
         ref = _reference(case, temperature=temperature, entropy=compute_entropy)
         for results in per_rank:
-            _close(results[index]["log_probs"], ref["log_probs"])
+            close(results[index]["log_probs"], ref["log_probs"])
             if compute_entropy:
-                _close(results[index]["entropy"], ref["entropy"])
-        _close(sum(results[index]["grad_hidden"] for results in per_rank), ref["grad_hidden"])
-        _close(torch.cat([results[index]["grad_weight"] for results in per_rank]), ref["grad_weight"])
+                close(results[index]["entropy"], ref["entropy"])
+        close(sum(results[index]["grad_hidden"] for results in per_rank), ref["grad_hidden"])
+        close(torch.cat([results[index]["grad_weight"] for results in per_rank]), ref["grad_weight"])

@@ -103,17 +103,20 @@ def test_a_shard_that_owns_some_labels() -> None:
     is -1 for the rest. Compared through the public function by giving it this shard's global labels
     shifted into a one-shard vocabulary on the torch path is not possible, so the two internal passes are
     compared directly."""
-    from verl_engine.logprobs import _LabelIndex, _shard_statistics
+    from verl_engine.logprobs import LogitChunks, _LabelIndex, _shard_statistics
 
     g = torch.Generator(device="cuda").manual_seed(2)
     tokens, vocab_local = 200, 5000
     logits = torch.randn(tokens, vocab_local, device="cuda", generator=g).bfloat16()
     labels = torch.randint(0, 2 * vocab_local, (tokens,), device="cuda", generator=g)
     index = _LabelIndex(labels, rank=1, tp_size=2, vocab_local=vocab_local)
-    kwargs = dict(temperature=1.3, compute_entropy=True, chunk_size=64, device=logits.device)
-    got = _shard_statistics(lambda s, e: logits[s:e], tokens, index, **kwargs)
+    chunks = LogitChunks(
+        chunk=lambda s, e: logits[s:e], vocab_local=vocab_local, labels=labels, source=logits
+    )
+    kwargs = dict(temperature=1.3, compute_entropy=True, chunk_size=64)
+    got = _shard_statistics(chunks, index, **kwargs)
     with torch_ops_only():
-        ref = _shard_statistics(lambda s, e: logits[s:e], tokens, index, **kwargs)
+        ref = _shard_statistics(chunks, index, **kwargs)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=1e-5)
     assert bool((got["label"][~index.owned] == 0).all())
@@ -123,7 +126,7 @@ def test_gradient_of_a_shard_that_owns_some_labels() -> None:
     """Labels valid but owned by the other rank get no ``+g`` at any column of this shard."""
     from types import SimpleNamespace
 
-    from verl_engine.logprobs import chunked_backward
+    from verl_engine.logprobs import LogitChunks, chunked_backward
 
     g = torch.Generator(device="cuda").manual_seed(3)
     tokens, vocab_local = 150, 3000
@@ -136,10 +139,10 @@ def test_gradient_of_a_shard_that_owns_some_labels() -> None:
 
     def run() -> torch.Tensor:
         out = torch.empty_like(logits)
-        for s, e, chunk in chunked_backward(
-            ctx, lambda s, e: logits[s:e], num_tokens=tokens, vocab_local=vocab_local, labels=labels,
-            lse=lse, entropy=entropy, grad_outputs=grads, grad_dtype=torch.bfloat16,
-        ):  # fmt: skip
+        chunks = LogitChunks(
+            chunk=lambda s, e: logits[s:e], vocab_local=vocab_local, labels=labels, source=logits
+        )
+        for s, e, chunk in chunked_backward(ctx, chunks, saved=(lse, entropy), grad_outputs=grads):
             out[s:e] = chunk
         return out
 

@@ -14,14 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from vocab_testing import LargestTensor, close, output_grads, seeded_labels, tp_worker, vocab_shard
 
 from verl_engine.logprobs import log_probs_from_logits, vocab_parallel_log_probs_and_entropy
 from verl_mcore_utils.testing import run_distributed
-
-IGNORE = -100
 
 
 def _case(
@@ -36,10 +32,7 @@ def _case(
     logits = torch.randn((*lead, vocab), generator=gen) * 3
     if skew:
         logits[..., : vocab // 2] += 25
-    labels = torch.randint(0, vocab, lead, generator=gen)
-    flat = labels.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 5)]] = IGNORE
-    flat[-1] = vocab  # just past the vocabulary: also ignored
+    labels = seeded_labels(gen, lead=lead, vocab=vocab)
     return {
         "logits": logits.to(dtype),
         "labels": labels,
@@ -65,46 +58,21 @@ def _reference(case: dict[str, torch.Tensor], *, temperature: float) -> dict[str
 
 
 def _ours(
-    case: dict[str, torch.Tensor],
-    *,
-    logits: torch.Tensor | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    temperature: float,
-    chunk_size: int,
-    compute_entropy: bool = True,
+    case: dict[str, torch.Tensor], *, logits: torch.Tensor | None = None, **options: Any
 ) -> dict[str, Any]:
-    """Outputs of the function under test and the gradient of (log_probs, entropy) for the case's grads."""
+    """Outputs of the function under test (``options``: its keywords) and the gradient of (log_probs,
+    entropy) for the case's grads."""
     logits = (case["logits"] if logits is None else logits).detach().requires_grad_()
-    log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-        logits,
-        case["labels"],
-        tp_group=tp_group,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        chunk_size=chunk_size,
-    )
-    outputs, grads = [log_probs], [case["grad_log_probs"]]
-    if entropy is not None:
-        outputs.append(entropy)
-        grads.append(case["grad_entropy"])
-    (grad,) = torch.autograd.grad(outputs, logits, grads)
+    log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, case["labels"], **options)
+    (grad,) = output_grads(case, log_probs, entropy, inputs=[logits])
     return {"log_probs": log_probs.detach(), "entropy": entropy, "grad": grad}
 
 
-def _close(
-    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5, elementwise: float = 0.0
-) -> None:
-    """Within ``rtol`` of the largest expected magnitude (plus ``elementwise`` of each element)."""
-    assert actual.shape == expected.shape
-    atol = rtol * float(expected.abs().max())
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=elementwise, atol=atol)
-
-
 def _assert_matches(ours: dict[str, Any], ref: dict[str, torch.Tensor], *, with_entropy: bool = True) -> None:
-    _close(ours["log_probs"], ref["log_probs"])
+    close(ours["log_probs"], ref["log_probs"])
     if with_entropy:
-        _close(ours["entropy"].detach(), ref["entropy"])
-        _close(ours["grad"], ref["grad"])
+        close(ours["entropy"].detach(), ref["entropy"])
+        close(ours["grad"], ref["grad"])
 
 
 # --------------------------------------------------------------------------------------------- no TP
@@ -144,7 +112,7 @@ def test_ignored_labels_give_zero_and_no_log_prob_gradient() -> None:
     # the entropy of an ignored token still has its gradient (the label plays no part in it)
     (grad_h,) = torch.autograd.grad(entropy, logits, case["grad_entropy"])
     ref = _reference({**case, "grad_log_probs": torch.zeros(11)}, temperature=1.0)
-    _close(grad_h, ref["grad"])
+    close(grad_h, ref["grad"])
 
 
 def test_without_entropy_and_the_convenience_wrapper() -> None:
@@ -152,9 +120,9 @@ def test_without_entropy_and_the_convenience_wrapper() -> None:
     ref = _reference({**case, "grad_entropy": torch.zeros(4, 5)}, temperature=0.9)
     ours = _ours(case, temperature=0.9, chunk_size=7, compute_entropy=False)
     assert ours["entropy"] is None
-    _close(ours["log_probs"], ref["log_probs"])
-    _close(ours["grad"], ref["grad"])
-    _close(
+    close(ours["log_probs"], ref["log_probs"])
+    close(ours["grad"], ref["grad"])
+    close(
         log_probs_from_logits(case["logits"], case["labels"], temperature=0.9, chunk_size=3), ref["log_probs"]
     )
 
@@ -172,9 +140,9 @@ def test_bf16_logits_give_bf16_gradient() -> None:
     ours = _ours(case, temperature=0.8, chunk_size=4)
     ref = _reference(case, temperature=0.8)  # the same bf16 numbers, in float64
     assert ours["grad"].dtype == torch.bfloat16 and ours["log_probs"].dtype == torch.float32
-    _close(ours["log_probs"], ref["log_probs"])
-    _close(ours["entropy"].detach(), ref["entropy"])
-    _close(ours["grad"], ref["grad"], elementwise=2**-8)
+    close(ours["log_probs"], ref["log_probs"])
+    close(ours["entropy"].detach(), ref["entropy"])
+    close(ours["grad"], ref["grad"], elementwise=2**-8)
 
 
 def test_empty_input_and_argument_checks() -> None:
@@ -217,31 +185,16 @@ def test_backward_saves_the_input_logits_and_only_per_token_tensors() -> None:
     torch.autograd.grad((log_probs, entropy), logits, (case["grad_log_probs"], case["grad_entropy"]))
 
 
-class _LargestFloat32(TorchDispatchMode):
-    """Records the element count of the largest float32 tensor any op produces."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
-                self.largest = max(self.largest, tensor.numel())
-        return out
-
-
 def test_float32_temporaries_are_bounded_by_the_chunk_in_forward_and_backward() -> None:
     case = _case(seed=7, lead=(40,), vocab=128, dtype=torch.bfloat16)
     logits = case["logits"].requires_grad_()
     chunk_size = 6
-    with _LargestFloat32() as forward_mode:
+    with LargestTensor(torch.float32) as forward_mode:
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             logits, case["labels"], temperature=0.7, chunk_size=chunk_size
         )
     assert entropy is not None
-    with _LargestFloat32() as backward_mode:
+    with LargestTensor(torch.float32) as backward_mode:
         (grad,) = torch.autograd.grad(
             (log_probs, entropy), logits, (case["grad_log_probs"], case["grad_entropy"])
         )
@@ -260,40 +213,30 @@ _TP_CASES = [
 ]
 
 
-def _tp_worker(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """On every rank: slice this rank's vocab shard of each case and run it over a fresh TP group."""
-    group = dist.new_group(list(range(world_size)))
-    results = []
-    for seed, lead, vocab, temperature, chunk_size, compute_entropy, skew in cases:
-        case = _case(seed=seed, lead=lead, vocab=vocab, skew=skew)
-        local = vocab // world_size
-        shard = case["logits"][..., rank * local : (rank + 1) * local].contiguous()
-        results.append(
-            _ours(
-                case,
-                logits=shard,
-                tp_group=group,
-                temperature=temperature,
-                chunk_size=chunk_size,
-                compute_entropy=compute_entropy,
-            )
-        )
-    return results
+def _tp_case(params: tuple[Any, ...], *, rank: int, world_size: int, tp_group: Any) -> dict[str, Any]:
+    """One case on one rank: this rank's vocab shard of the logits, run over the TP group."""
+    seed, lead, vocab, temperature, chunk_size, compute_entropy, skew = params
+    case = _case(seed=seed, lead=lead, vocab=vocab, skew=skew)
+    shard = vocab_shard(case["logits"], dim=-1, rank=rank, world_size=world_size)
+    options = {"temperature": temperature, "chunk_size": chunk_size, "compute_entropy": compute_entropy}
+    return _ours(case, logits=shard, tp_group=tp_group, **options)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_matches_float64_reference_with_tp(tp: int) -> None:
-    per_rank = run_distributed(_tp_worker, world_size=tp, args=(_TP_CASES,), backend="gloo", timeout_s=240)
+    per_rank = run_distributed(
+        tp_worker, world_size=tp, args=(_TP_CASES, _tp_case), backend="gloo", timeout_s=240
+    )
     for index, (seed, lead, vocab, temperature, _, compute_entropy, skew) in enumerate(_TP_CASES):
         case = _case(seed=seed, lead=lead, vocab=vocab, skew=skew)
         if not compute_entropy:
             case["grad_entropy"] = torch.zeros(lead)
         ref = _reference(case, temperature=temperature)
         for results in per_rank:  # outputs are replicated on every TP rank
-            _close(results[index]["log_probs"], ref["log_probs"])
+            close(results[index]["log_probs"], ref["log_probs"])
             if compute_entropy:
-                _close(results[index]["entropy"].detach(), ref["entropy"])
+                close(results[index]["entropy"].detach(), ref["entropy"])
             else:
                 assert results[index]["entropy"] is None
-        _close(torch.cat([results[index]["grad"] for results in per_rank], dim=-1), ref["grad"])
+        close(torch.cat([results[index]["grad"] for results in per_rank], dim=-1), ref["grad"])

@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from verl_engine import vocab_kernels
     from verl_engine.logprobs import _chunk_grad, _scaled_chunk
+    from verl_engine.vocab_kernels import RowGrads
 
     g = torch.Generator().manual_seed(0)
     rows, vocab, t = 19, 4096 + 333, TEMPERATURE
@@ -45,15 +46,12 @@ SCRIPT = textwrap.dedent(
     labels = torch.randint(0, vocab, (rows,), generator=g)
     owned = torch.ones(rows, dtype=torch.bool)
     owned[::3] = False  # labels another shard owns: no +g term here
-    column = torch.where(owned, labels, torch.zeros_like(labels))
+    label_column = torch.where(owned, labels, -1)
+    rows = RowGrads(lse, entropy, grad_lp, grad_h)
     out = torch.empty_like(logits)
-    vocab_kernels.logits_grad(
-        logits, out=out, lse=lse, entropy=entropy, grad_log_probs=grad_lp, grad_entropy=grad_h,
-        label_column=torch.where(owned, labels, -1), temperature=t,
-    )
+    vocab_kernels.logits_grad(logits, out=out, rows=rows, label_column=label_column, temperature=t)
     ref = _chunk_grad(
-        _scaled_chunk(logits, temperature=t), lse=lse, entropy=entropy, grad_log_probs=grad_lp,
-        grad_entropy=grad_h, owned=owned, column=column, temperature=t,
+        _scaled_chunk(logits, temperature=t), rows=rows, label_column=label_column, temperature=t
     )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-7)
     print("ok")

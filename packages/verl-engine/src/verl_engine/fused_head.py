@@ -1,25 +1,9 @@
 """Log-probabilities and entropy straight from the last hidden states: the LM head fused into the loss.
 
-Why: :mod:`verl_engine.logprobs` already avoids float32 copies of the logits, but the logits themselves
-(``[T, V/tp]`` in bf16) and their gradient are still full size: at the Qwen2.5-1.5B shape with 32K
-packed tokens that is 2 x 10 GB, and RL's forward-only log-prob passes pay it too. Here the output
-layer's matmul moves inside the chunk loop, so only ``chunk_size`` tokens' logits ever exist:
-
-* forward: for each chunk, ``logits = hidden[chunk] @ W^T`` (in the hidden states' dtype, as the output
-  layer computes them), the chunk's softmax statistics, then the chunk's logits are freed; autograd saves
-  the hidden states, the weight, the labels and two float32 numbers per token;
-* backward: each chunk's logits are recomputed, their gradient formed in float32 and cast to the
-  weight's dtype (what autograd would hand the output layer), then ``grad_hidden[chunk] = g @ W`` and
-  ``grad_W += g^T @ hidden[chunk]`` (accumulated in float32 over chunks).
-
-The price is one extra ``T x V x H`` matmul in backward (the recompute); the gain is a peak that no
-longer grows with ``T x V``. Under tensor parallelism the hidden states are this rank's input to the
-vocab-parallel output layer (after megatron-core's copy-to-TP or sequence-parallel gather, whose backward
-reduces ``grad_hidden`` over TP), the softmax statistics are combined over TP as in
-:mod:`verl_engine.logprobs`.
-
-:func:`lm_head_returns_hidden` makes a megatron-core ``GPTModel`` return those hidden states instead
-of logits for the duration of one forward, so the same model call serves both paths.
+The output layer's matmul runs inside :mod:`verl_engine.logprobs`' chunk loop (recomputed in backward), so
+only ``chunk_size`` tokens' logits ever exist; :func:`lm_head_returns_hidden` makes a megatron-core
+``GPTModel`` return its hidden states for one forward. Why and how: the package README's "Log-probs and
+entropy".
 """
 
 from __future__ import annotations
@@ -32,7 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_engine.logprobs import _check_arguments, chunked_backward, chunked_forward
+from verl_engine.logprobs import (
+    ChunkOptions,
+    LogitChunks,
+    check_arguments,
+    chunked_backward,
+    chunked_forward,
+    lead_shaped,
+)
 
 __all__ = ["HeadCapture", "fused_lm_head_log_probs", "lm_head_returns_hidden"]
 
@@ -80,23 +71,22 @@ def fused_lm_head_log_probs(
         )
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0])
-    _check_arguments(
+    check_arguments(
         logits=hidden, labels=labels, temperature=temperature, chunk_size=chunk_size
     )  # hidden has the logits' leading shape and float dtype
     lead_shape = hidden.shape[:-1]
-    outputs = _FusedLMHead.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        labels.reshape(-1).long(),
-        tp_group,
-        float(temperature),
-        compute_entropy,
-        int(chunk_size),
-    )
-    if not compute_entropy:
-        return outputs.view(lead_shape), None
-    log_probs, entropy = outputs
-    return log_probs.view(lead_shape), entropy.view(lead_shape)
+    options = ChunkOptions(tp_group, float(temperature), compute_entropy, int(chunk_size))
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    return lead_shaped(_FusedLMHead.apply(flat_hidden, weight, flat_labels, options), lead_shape)
+
+
+def _head_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> LogitChunks:
+    """The logits as the output layer computes them, one chunk at a time (hidden and weight share a dtype)."""
+
+    def chunk(start: int, end: int) -> torch.Tensor:
+        return hidden[start:end] @ weight.t()
+
+    return LogitChunks(chunk=chunk, vocab_local=weight.shape[0], labels=labels, source=hidden)
 
 
 class _FusedLMHead(torch.autograd.Function):
@@ -104,29 +94,10 @@ class _FusedLMHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        tp_group: dist.ProcessGroup | None,
-        temperature: float,
-        compute_entropy: bool,
-        chunk_size: int,
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, options: ChunkOptions
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        log_probs, entropy, lse = chunked_forward(
-            ctx,
-            lambda start, end: hidden[start:end] @ weight.t(),
-            num_tokens=hidden.shape[0],
-            vocab_local=weight.shape[0],
-            labels=labels,
-            tp_group=tp_group,
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            chunk_size=chunk_size,
-            device=hidden.device,
-        )
-        ctx.save_for_backward(hidden, weight, labels, lse, None if entropy is None else entropy.clone())
-        return log_probs if entropy is None else (log_probs, entropy)
+        chunks = _head_chunks(hidden, weight, labels)
+        return chunked_forward(ctx, chunks, options, inputs=(hidden, weight, labels))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -134,17 +105,10 @@ class _FusedLMHead(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight: torch.Tensor | None = None
+        chunks = _head_chunks(hidden, weight, labels)
+        # the recomputed chunk is this loop's own: its gradient may replace it
         for start, end, chunk_grad in chunked_backward(
-            ctx,
-            lambda start, end: hidden[start:end] @ weight.t(),
-            num_tokens=hidden.shape[0],
-            vocab_local=weight.shape[0],
-            labels=labels,
-            lse=lse,
-            entropy=entropy,
-            grad_outputs=grad_outputs,
-            grad_dtype=weight.dtype,
-            overwrite_chunk=True,  # the recomputed chunk is this loop's own: its gradient may replace it
+            ctx, chunks, saved=(lse, entropy), grad_outputs=grad_outputs, overwrite_chunk=True
         ):
             g = chunk_grad
             del chunk_grad
@@ -162,7 +126,7 @@ class _FusedLMHead(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         elif need_weight:
             grad_weight = torch.zeros_like(weight)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 @dataclass

@@ -1,39 +1,16 @@
 """Per-token log-probabilities and entropy from vocab-parallel logits, in bounded memory.
 
-Why this module: in RL post-training the policy's logits are ``[T, V/tp]`` per tensor-parallel rank with
-T ~ 64K packed tokens and V/tp ~ 75K vocabulary entries, usually in bf16 (~10 GB). The obvious
-``F.log_softmax(logits.float())`` makes a float32 copy of all of it (twice the logits' size), autograd keeps
-that copy (or the softmax) for backward, and the entropy term adds more of the same: the activation peak of
-the last layer then dwarfs the rest of the model.
-
-Here the token dimension is processed ``chunk_size`` tokens at a time, in forward and in backward:
-
-* forward keeps per token only its shard's max ``m``, ``sum exp(s - m)``, ``sum exp(s - m) (s - m)`` and the
-  label's logit (``s = logits / temperature``), then combines the shards with one all-reduce MAX of ``m``
-  and one all-reduce SUM of the three rescaled statistics (stacked into one ``[3, T]`` tensor);
-* autograd saves the input logits themselves (no copy), the labels and two float32 numbers per token
-  (log-sum-exp and entropy); backward recomputes the softmax chunk by chunk.
-
-So float32 temporaries never exceed about ``2 x chunk_size x V/tp`` elements; the only full-size tensor
-created is the gradient, in the logits' dtype (autograd needs that one anyway).
-
-Vocabulary layout (megatron-core's ``ColumnParallelLinear`` output layer): rank ``r`` of ``tp_group`` holds
-the contiguous slice ``[r * V_local, (r + 1) * V_local)`` of the global vocabulary, every shard has the same
-size ``V_local`` (megatron pads the vocabulary to a multiple of the TP size), so ``V = tp * V_local``.
-
-Labels outside ``[0, V)`` (e.g. the ``-100`` ignore index) give log-probability 0 and no gradient through
-the log-probability. Their entropy is still computed (it does not depend on the label) and still has a
-gradient: mask it in the loss like any other per-token quantity.
-
-The outputs are replicated on every TP rank. Backward needs no collective: each rank turns the incoming
-per-token gradients into the gradient of its own shard, which is right when every TP rank computes the same
-loss from the replicated outputs (the megatron-core convention, as in its ``vocab_parallel_cross_entropy``).
+The token dimension is processed ``chunk_size`` tokens at a time in forward and backward, so float32
+temporaries stay within about ``2 x chunk_size x V/tp`` elements; the shards' softmax statistics are combined
+with one MAX and one SUM all-reduce. Why and how (vocabulary layout, ignored labels, TP backward): the package
+README's "Log-probs and entropy".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +21,22 @@ __all__ = ["log_probs_from_logits", "vocab_parallel_log_probs_and_entropy"]
 
 # ``(start, end) -> logits[start:end]`` of this rank's vocabulary shard, any float dtype
 ChunkLogits = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LogitChunks:
+    """The logits of this rank's vocabulary shard, ``chunk(start, end)`` at a time (a view of stored logits, or
+    computed from hidden states by :mod:`verl_engine.fused_head`), with their flat labels ``[T]``. ``source``
+    is what they are computed from: its device holds the statistics, its dtype is the gradient's."""
+
+    chunk: ChunkLogits
+    vocab_local: int
+    labels: torch.Tensor
+    source: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.labels.shape[0]
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -72,17 +65,12 @@ def vocab_parallel_log_probs_and_entropy(
         ``(log_probs, entropy)``, float32 of shape ``[...]``; ``entropy`` is None when not computed.
         Both are differentiable with respect to ``logits``; the gradient comes back in the logits' dtype.
     """
-    _check_arguments(logits=logits, labels=labels, temperature=temperature, chunk_size=chunk_size)
+    check_arguments(logits=logits, labels=labels, temperature=temperature, chunk_size=chunk_size)
     lead_shape = logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    outputs = _VocabParallelLogProbsEntropy.apply(
-        flat_logits, flat_labels, tp_group, float(temperature), compute_entropy, int(chunk_size)
-    )
-    if not compute_entropy:
-        return outputs.view(lead_shape), None
-    log_probs, entropy = outputs
-    return log_probs.view(lead_shape), entropy.view(lead_shape)
+    options = ChunkOptions(tp_group, float(temperature), compute_entropy, int(chunk_size))
+    return lead_shaped(_VocabParallelLogProbsEntropy.apply(flat_logits, flat_labels, options), lead_shape)
 
 
 def log_probs_from_logits(
@@ -95,7 +83,7 @@ def log_probs_from_logits(
     return log_probs
 
 
-def _check_arguments(
+def check_arguments(
     *, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int
 ) -> None:
     """Fail early with the offending shapes instead of deep inside a gather or a collective."""
@@ -141,31 +129,23 @@ class _LabelIndex:
 
 
 def _shard_statistics(
-    chunk_logits: ChunkLogits,
-    num_tokens: int,
-    index: _LabelIndex,
-    *,
-    temperature: float,
-    compute_entropy: bool,
-    chunk_size: int,
-    device: torch.device,
+    chunks: LogitChunks, index: _LabelIndex, *, temperature: float, compute_entropy: bool, chunk_size: int
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of this shard, relative to the shard's own max ``m``, one chunk at a time.
 
     ``sum_exp = sum exp(s - m)``, ``sum_exp_s = sum exp(s - m) (s - m)`` (entropy only) and ``label = s[label]``
     where this rank owns the label, else 0. Shifting by the local max keeps exp in range without a first
-    pass for the global max; :func:`_combine_shards` rescales to the global max afterwards.
-    ``chunk_logits(start, end)`` gives the logits of tokens ``[start, end)`` (a view of stored logits, or
-    computed from hidden states by :mod:`verl_engine.fused_head`). On CUDA the statistics come from
-    :mod:`verl_engine.vocab_kernels` (same values, no float32 copy of the chunk).
+    pass for the global max; :func:`_combine_shards` rescales to the global max afterwards. On CUDA the
+    statistics come from :mod:`verl_engine.vocab_kernels` (same values, no float32 copy of the chunk).
     """
+    num_tokens = chunks.num_tokens
     stats = {
-        name: torch.zeros(num_tokens, dtype=torch.float32, device=device)
+        name: torch.zeros(num_tokens, dtype=torch.float32, device=chunks.source.device)
         for name in ("max", "sum_exp", "sum_exp_s", "label")
     }
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        chunk = chunk_logits(start, end)
+        chunk = chunks.chunk(start, end)
         if vocab_kernels.kernels_apply(chunk):  # one read of the chunk per statistic pass
             picked = _scaled_chunk(chunk.gather(1, index.column[start:end, None]), temperature=temperature)
             stats["label"][start:end] = torch.where(index.owned[start:end], picked.squeeze(1), 0.0)
@@ -233,23 +213,17 @@ def _log_probs_and_entropy(
 
 
 def _chunk_grad(
-    scaled: torch.Tensor,
-    *,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_log_probs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    owned: torch.Tensor,
-    column: torch.Tensor,
-    temperature: float,
+    scaled: torch.Tensor, *, rows: vocab_kernels.RowGrads, label_column: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """Gradient of one chunk's logits, computed in place in ``scaled`` (a float32 ``logits / temperature``).
 
     With ``p = softmax(s)``, ``g`` the log-prob grad and ``h`` the entropy grad (per token):
     ``d log p(label) / d s_j = 1[j = label] - p_j`` and ``dH / d s_j = -p_j (s_j - sum_k p_k s_k)
     = -p_j (log p_j + H)``. So ``d/d s_j = -p_j (g + h (log p_j + H)) + g 1[j = label]``, then ``/ temperature``
-    for ``s = z / temperature``. ``g`` is already zero for ignored labels.
+    for ``s = z / temperature``. ``g`` is already zero for ignored labels; ``label_column`` is -1 where this
+    rank does not own the label.
     """
+    lse, entropy, grad_log_probs, grad_entropy = rows
     log_p = scaled.sub_(lse[:, None])
     p = torch.exp(log_p)
     if grad_entropy is not None:
@@ -261,41 +235,37 @@ def _chunk_grad(
     grad = p.mul_(factor).neg_()
     del log_p, factor
     if grad_log_probs is not None:
+        owned = label_column >= 0
         picked = torch.where(owned, grad_log_probs, torch.zeros_like(grad_log_probs))
-        grad.scatter_add_(1, column[:, None], picked[:, None])
+        grad.scatter_add_(1, label_column.clamp(min=0)[:, None], picked[:, None])
     if temperature != 1.0:
         grad.div_(temperature)
     return grad
 
 
-def chunked_forward(
-    ctx: Any,
-    chunk_logits: ChunkLogits,
-    *,
-    num_tokens: int,
-    vocab_local: int,
-    labels: torch.Tensor,
-    tp_group: dist.ProcessGroup | None,
-    temperature: float,
-    compute_entropy: bool,
-    chunk_size: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The forward shared by the stored-logits and the fused-head autograd functions.
+class ChunkOptions(NamedTuple):
+    """The non-tensor arguments of both autograd functions (one ``apply`` argument)."""
 
-    Returns ``(log_probs, entropy or None, lse)`` and records on ``ctx`` what :func:`chunked_backward`
-    needs besides the saved tensors.
+    tp_group: dist.ProcessGroup | None
+    temperature: float
+    compute_entropy: bool
+    chunk_size: int
+
+
+def chunked_forward(
+    ctx: Any, chunks: LogitChunks, options: ChunkOptions, *, inputs: tuple[torch.Tensor, ...]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The forward shared by the stored-logits and the fused-head autograd functions: ``log_probs`` or
+    ``(log_probs, entropy)``.
+
+    Saves ``inputs`` then the per-token log-sum-exp and entropy (what :func:`chunked_backward` takes as
+    ``saved``) and records on ``ctx`` what backward needs besides the saved tensors.
     """
+    tp_group, temperature, compute_entropy, chunk_size = options
     rank, tp_size = _tp_rank_and_size(tp_group)
-    index = _LabelIndex(labels, rank=rank, tp_size=tp_size, vocab_local=vocab_local)
+    index = _LabelIndex(chunks.labels, rank=rank, tp_size=tp_size, vocab_local=chunks.vocab_local)
     stats = _shard_statistics(
-        chunk_logits,
-        num_tokens,
-        index,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        chunk_size=chunk_size,
-        device=device,
+        chunks, index, temperature=temperature, compute_entropy=compute_entropy, chunk_size=chunk_size
     )
     stats = _combine_shards(stats, tp_group=tp_group, tp_size=tp_size)
     log_probs, entropy, lse = _log_probs_and_entropy(stats, index)
@@ -303,76 +273,82 @@ def chunked_forward(
     ctx.temperature, ctx.compute_entropy, ctx.chunk_size = temperature, compute_entropy, chunk_size
     # An unused output's grad stays None instead of a zeros tensor: backward then skips its term.
     ctx.set_materialize_grads(False)
-    return log_probs, (entropy if compute_entropy else None), lse
+    if not compute_entropy:
+        ctx.save_for_backward(*inputs, lse, None)
+        return log_probs
+    # A private copy of the entropy ([T] floats): the caller may then modify the output in place.
+    ctx.save_for_backward(*inputs, lse, entropy.clone())
+    return log_probs, entropy
 
 
 def chunked_backward(
     ctx: Any,
-    chunk_logits: ChunkLogits,
+    chunks: LogitChunks,
     *,
-    num_tokens: int,
-    vocab_local: int,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
+    saved: tuple[torch.Tensor, torch.Tensor | None],
     grad_outputs: tuple[torch.Tensor | None, ...],
-    grad_dtype: torch.dtype,
     chunk_out: ChunkLogits | None = None,
     overwrite_chunk: bool = False,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(start, end, gradient of logits[start:end] in grad_dtype)`` chunk by chunk; nothing when no grad flows.
+    """``(start, end, gradient of logits[start:end])`` chunk by chunk; nothing when no grad flows. ``saved``:
+    the log-sum-exp and entropy :func:`chunked_forward` saved.
 
-    Computed in float32 and rounded once to ``grad_dtype``. ``chunk_out(start, end)`` names where the
-    chunk's gradient may be written (the caller's gradient buffer); ``overwrite_chunk`` lets it replace
-    the chunk ``chunk_logits`` returned (a fresh recomputation); otherwise a new tensor is made. On CUDA one kernel (:mod:`verl_engine.vocab_kernels`) reads the chunk and
-    writes the gradient there; elsewhere torch ops in a float32 copy.
+    Computed in float32 and rounded once to ``chunks.source``'s dtype. ``chunk_out(start, end)`` names where the
+    chunk's gradient may be written (the caller's gradient buffer); ``overwrite_chunk`` lets it replace the
+    chunk ``chunks.chunk`` returned (a fresh recomputation); otherwise a new tensor is made. On CUDA one kernel
+    (:mod:`verl_engine.vocab_kernels`) reads the chunk and writes the gradient there; elsewhere torch ops in a
+    float32 copy.
     """
+    lse, entropy = saved
     grad_log_probs = grad_outputs[0]
     grad_entropy = grad_outputs[1] if ctx.compute_entropy else None
     if grad_log_probs is None and grad_entropy is None:
         return
-    index = _LabelIndex(labels, rank=ctx.rank, tp_size=ctx.tp_size, vocab_local=vocab_local)
+    index = _LabelIndex(chunks.labels, rank=ctx.rank, tp_size=ctx.tp_size, vocab_local=chunks.vocab_local)
     if grad_log_probs is not None:
         grad_log_probs = torch.where(index.valid, grad_log_probs.float(), torch.zeros_like(lse))
     if grad_entropy is not None:
         grad_entropy = grad_entropy.float()
-    label_column = None
-    for start in range(0, num_tokens, ctx.chunk_size):
-        end = min(start + ctx.chunk_size, num_tokens)
-        chunk = chunk_logits(start, end)
+    rows = vocab_kernels.RowGrads(lse, entropy, grad_log_probs, grad_entropy)
+    label_column = torch.where(index.owned, index.column, -1)  # -1 where this rank does not own the label
+    grad_dtype, temperature = chunks.source.dtype, ctx.temperature
+    for start in range(0, chunks.num_tokens, ctx.chunk_size):
+        end = min(start + ctx.chunk_size, chunks.num_tokens)
+        chunk = chunks.chunk(start, end)
+        part, columns = rows.rows(start, end), label_column[start:end]
         if vocab_kernels.kernels_apply(chunk):
-            if label_column is None:  # -1 where this rank does not own the label
-                label_column = torch.where(index.owned, index.column, -1)
             out = chunk_out(start, end) if chunk_out is not None else chunk if overwrite_chunk else None
             if out is None or out.dtype != grad_dtype:
                 out = torch.empty(chunk.shape, dtype=grad_dtype, device=chunk.device)
-            yield (
-                start,
-                end,
-                vocab_kernels.logits_grad(
-                    chunk,
-                    out=out,
-                    lse=lse[start:end],
-                    entropy=None if entropy is None else entropy[start:end],
-                    grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
-                    grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
-                    label_column=label_column[start:end],
-                    temperature=ctx.temperature,
-                ),
+            grad = vocab_kernels.logits_grad(
+                chunk, out=out, rows=part, label_column=columns, temperature=temperature
             )
+            yield start, end, grad
             continue
         grad = _chunk_grad(
-            _scaled_chunk(chunk, temperature=ctx.temperature),
-            lse=lse[start:end],
-            entropy=None if entropy is None else entropy[start:end],
-            grad_log_probs=None if grad_log_probs is None else grad_log_probs[start:end],
-            grad_entropy=None if grad_entropy is None else grad_entropy[start:end],
-            owned=index.owned[start:end],
-            column=index.column[start:end],
-            temperature=ctx.temperature,
+            _scaled_chunk(chunk, temperature=temperature),
+            rows=part,
+            label_column=columns,
+            temperature=temperature,
         )
         del chunk
         yield start, end, grad.to(grad_dtype)
+
+
+def lead_shaped(
+    outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], lead_shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log_probs, entropy or None)`` of an autograd function's flat outputs, in the inputs' leading shape."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.view(lead_shape), None
+    log_probs, entropy = outputs
+    return log_probs.view(lead_shape), entropy.view(lead_shape)
+
+
+def _stored_chunks(logits: torch.Tensor, labels: torch.Tensor) -> LogitChunks:
+    return LogitChunks(
+        chunk=lambda start, end: logits[start:end], vocab_local=logits.shape[-1], labels=labels, source=logits
+    )
 
 
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
@@ -380,49 +356,25 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        tp_group: dist.ProcessGroup | None,
-        temperature: float,
-        compute_entropy: bool,
-        chunk_size: int,
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, options: ChunkOptions
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        log_probs, entropy, lse = chunked_forward(
-            ctx,
-            lambda start, end: logits[start:end],
-            num_tokens=logits.shape[0],
-            vocab_local=logits.shape[-1],
-            labels=labels,
-            tp_group=tp_group,
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            chunk_size=chunk_size,
-            device=logits.device,
-        )
-        # A private copy of the entropy ([T] floats): the caller may then modify the output in place.
-        ctx.save_for_backward(logits, labels, lse, None if entropy is None else entropy.clone())
-        return log_probs if entropy is None else (log_probs, entropy)
+        return chunked_forward(ctx, _stored_chunks(logits, labels), options, inputs=(logits, labels))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         logits, labels, lse, entropy = ctx.saved_tensors
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         written = False
+        chunks = _stored_chunks(logits, labels)
         for start, end, chunk_grad in chunked_backward(
             ctx,
-            lambda start, end: logits[start:end],
-            num_tokens=logits.shape[0],
-            vocab_local=logits.shape[-1],
-            labels=labels,
-            lse=lse,
-            entropy=entropy,
+            chunks,
+            saved=(lse, entropy),
             grad_outputs=grad_outputs,
-            grad_dtype=logits.dtype,
-            chunk_out=lambda start, end: grad_logits[start:end],
+            chunk_out=lambda s, e: grad_logits[s:e],
         ):
             written = True
             if chunk_grad.data_ptr() != grad_logits[start:end].data_ptr():
                 grad_logits[start:end].copy_(chunk_grad)
             del chunk_grad
-        return (grad_logits if written else None), None, None, None, None, None
+        return (grad_logits if written else None), None, None

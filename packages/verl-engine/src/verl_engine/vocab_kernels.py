@@ -1,33 +1,37 @@
 """The softmax statistics and the logits' gradient over the vocabulary as Triton kernels (CUDA).
 
-Why: :mod:`verl_engine.logprobs` (and the fused LM head on top of it) works on ``[chunk, V]`` logits
-chunks with torch ops: a float32 copy of the chunk, then max, subtract, exp, sum, multiply, sum in forward
-and about as many passes in backward, each reading and writing ``chunk x V`` float32 elements. At the
-Qwen2.5 vocabulary (152K) that is ~90 bytes of memory traffic per logit and step: 130 ms of a 1.0 s
-training step of Qwen2.5-1.5B over 32K tokens on one H100, more than the LM head's matmuls. Here each row
-is one program that reads the bf16 logits (twice in forward: the max, then the sums; once in backward)
-and writes the bf16 gradient once, with all arithmetic in float32 registers: ~8 bytes per logit.
-
-Numerics are those of the torch path: the same statistics (row max ``m``, ``sum exp(s - m)``,
-``sum exp(s - m) (s - m)`` with ``s = logits / temperature``) and the same gradient formula, computed in
-float32 and rounded once to the gradient's dtype. Only the summation order differs (float32, relative
-~1e-6); GPU tests compare both paths.
+Each row is one program that reads the logits (twice in forward, once in backward) and writes the gradient
+once, all arithmetic in float32 registers; the numerics are those of :mod:`verl_engine.logprobs`' torch path
+(only the float32 summation order differs). Why: the package README's "Log-probs and entropy".
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from verl_mcore_utils.triton_support import KernelSwitch, triton_runs_on
 
-__all__ = ["kernels_apply", "logits_grad", "row_statistics", "torch_ops_only"]
+__all__ = ["RowGrads", "kernels_apply", "logits_grad", "row_statistics", "torch_ops_only"]
 
 _BLOCK = 4096
 _SWITCH = KernelSwitch()
+
+
+class RowGrads(NamedTuple):
+    """Per-row inputs of the logits' gradient, float32 ``[rows]``: log-sum-exp, entropy (None: not computed)
+    and the incoming gradients of the log-probability ``g`` and of the entropy ``h`` (None: absent)."""
+
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    grad_log_probs: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
+
+    def rows(self, start: int, end: int) -> RowGrads:
+        return RowGrads(*(None if t is None else t[start:end] for t in self))
 
 
 def torch_ops_only() -> contextlib.AbstractContextManager[None]:
@@ -129,37 +133,26 @@ def row_statistics(
 
 
 def logits_grad(
-    logits: torch.Tensor,
-    *,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_log_probs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    label_column: torch.Tensor,
-    temperature: float,
+    logits: torch.Tensor, *, out: torch.Tensor, rows: RowGrads, label_column: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """Gradient of ``[rows, V]`` logits into ``out`` (may be ``logits`` itself: each element is read
     before it is written, by the same program).
 
     ``d/d s_j = -p_j (g + h (log p_j + H)) + g 1[j = label]``, divided by ``temperature``; ``g`` / ``h``
-    are the per-row gradients of the log-probability / entropy (None: absent), ``label_column`` the
-    label's column in this shard or -1 where this rank does not own it.
+    are the per-row gradients of the log-probability / entropy in ``rows``, ``label_column`` the label's
+    column in this shard or -1 where this rank does not own it.
     """
     _, grad_kernel = _kernels()
-    rows, vocab = logits.shape
+    num_rows, vocab = logits.shape
     if out.shape != logits.shape or out.stride(1) != 1:
         raise ValueError(
             f"out must be a [rows, V] tensor with unit vocabulary stride, got {tuple(out.shape)}"
         )
-    if rows:
-        dummy = lse
-        grad_kernel[(rows,)](
+    if num_rows:
+        lse, entropy, g, h = rows
+        grad_kernel[(num_rows,)](
             logits, out, logits.stride(0), out.stride(0), vocab, float(temperature), lse,
-            entropy if entropy is not None else dummy,
-            grad_log_probs if grad_log_probs is not None else dummy,
-            grad_entropy if grad_entropy is not None else dummy,
-            label_column,
-            HAS_G=grad_log_probs is not None, HAS_H=grad_entropy is not None, BLOCK=_BLOCK, num_warps=8,
+            entropy if entropy is not None else lse, g if g is not None else lse, h if h is not None else lse,
+            label_column, HAS_G=g is not None, HAS_H=h is not None, BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
     return out

@@ -10,8 +10,8 @@ from typing import Any
 _LAZY: dict[str, str] = {
     "GRPORun": "verl_engine.apps.grpo_run",
     "HFRollout": "verl_engine.apps.rollout",
-    "InProcessWorkers": "verl_engine.apps.grpo_run",
-    "RayWorkers": "verl_engine.apps.grpo_run",
+    "InProcessWorkers": "verl_engine.apps.grpo_workers",
+    "RayWorkers": "verl_engine.apps.grpo_workers",
     "RolloutEngine": "verl_engine.apps.rollout",
     "RunSummary": "verl_engine.apps.sft",
     "SamplingParams": "verl_engine.apps.rollout",
