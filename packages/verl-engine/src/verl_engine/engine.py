@@ -249,22 +249,19 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         stays 1x), device memory released; DDP / distributed-optimizer views stay valid. A group already
         offloaded is an error, as is using the engine before :meth:`onload`. Returns the transfer stats.
         """
-        out: dict[str, Any] = {}
-        offload_model, offload_optimizer = self._offload_functions("offload")
-        if params or grads:
-            out["model"] = offload_model(self.chunks, params=params, grads=grads).as_dict()
-        if optimizer and self.optimizer is not None:
-            out["optimizer"] = offload_optimizer(self.optimizer).as_dict()
-        return out
+        return self._transfer("offload", params=params, grads=grads, optimizer=optimizer)
 
     def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:
         """Bring back, bit for bit, what :meth:`offload` moved (the same selection)."""
+        return self._transfer("onload", params=params, grads=grads, optimizer=optimizer)
+
+    def _transfer(self, direction: str, *, params: bool, grads: bool, optimizer: bool) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        onload_model, onload_optimizer = self._offload_functions("onload")
+        move_model, move_optimizer = self._offload_functions(direction)
         if params or grads:
-            out["model"] = onload_model(self.chunks, params=params, grads=grads).as_dict()
+            out["model"] = move_model(self.chunks, params=params, grads=grads).as_dict()
         if optimizer and self.optimizer is not None:
-            out["optimizer"] = onload_optimizer(self.optimizer).as_dict()
+            out["optimizer"] = move_optimizer(self.optimizer).as_dict()
         return out
 
     def _offload_functions(self, direction: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
