@@ -32,7 +32,7 @@ def test_defaults_are_typed_dataclasses() -> None:
 def test_yaml_then_overrides_precedence(tmp_path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(
-        "optim:\n  lr: 0.5\n  min_lr: 0.1\ndata:\n  max_length: 64\ntrainer:\n  total_training_steps: 7\n"
+        "optim:\n  lr: 0.5\n  min_lr: 0.1\n  lr_warmup_steps: 2\ndata:\n  max_length: 64\ntrainer:\n  total_training_steps: 7\n"
     )
     cfg = load_config(
         SFTConfig,
