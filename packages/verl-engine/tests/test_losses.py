@@ -274,21 +274,15 @@ def test_agg_loss_accepts_float_masks_and_tensor_counts() -> None:
     assert_close(as_int, as_tensor)
 
 
-def test_agg_loss_refuses_local_counts_with_several_ranks() -> None:
+@pytest.mark.parametrize(
+    ("agg_mode", "missing"),
+    [("token-mean", "batch_num_tokens"), ("seq-mean-token-mean", "global_batch_size")],
+)
+def test_agg_loss_refuses_local_counts_with_several_ranks(agg_mode: str, missing: str) -> None:
     batch = make_batch()
-    with pytest.raises(ValueError, match="batch_num_tokens"):
+    with pytest.raises(ValueError, match=missing):
         agg_loss(
-            loss_mat=batch["log_probs"],
-            loss_mask=batch["response_mask"],
-            loss_agg_mode="token-mean",
-            dp_size=2,
-        )
-    with pytest.raises(ValueError, match="global_batch_size"):
-        agg_loss(
-            loss_mat=batch["log_probs"],
-            loss_mask=batch["response_mask"],
-            loss_agg_mode="seq-mean-token-mean",
-            dp_size=2,
+            loss_mat=batch["log_probs"], loss_mask=batch["response_mask"], loss_agg_mode=agg_mode, dp_size=2
         )
 
 

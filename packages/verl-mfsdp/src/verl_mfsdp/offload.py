@@ -37,13 +37,12 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.offload import (
-    OffloadStateError,
     OffloadStats,
-    is_offloaded,
     leaf_optimizers,
     model_offload_kinds,
     offload_tensors,
     onload_tensors,
+    refuse_offloaded,
 )
 from verl_mfsdp.wrap import restart_megatron_fsdp_param_sync, synchronize_megatron_fsdp_params
 
@@ -102,25 +101,23 @@ def _local(t: Any) -> torch.Tensor | None:
     return local if isinstance(local, torch.Tensor) else None
 
 
-def _buffer_data(group: Any, names: Iterable[str]) -> list[torch.Tensor | None]:
-    return [getattr(getattr(group, name, None), "data", None) for name in names]
-
-
-def _allocator_buckets(pgb: Any, names: Iterable[str]) -> list[torch.Tensor]:
-    out = []
-    for name in names:
+def _flat_buffers(
+    pgb: Any, *, buffers: Iterable[str], allocators: Iterable[str]
+) -> list[torch.Tensor | None]:
+    """The named flat buffers of every parameter group and the buckets of the named allocators."""
+    tensors: list[torch.Tensor | None] = []
+    for group in pgb.parameter_groups:
+        tensors.extend(getattr(getattr(group, name, None), "data", None) for name in buffers)
+    for name in allocators:
         buckets = getattr(getattr(pgb, name, None), "buckets", None)
         if isinstance(buckets, dict):
-            out.extend(getattr(b, "data", None) for b in buckets.values())
-    return out
+            tensors.extend(getattr(b, "data", None) for b in buckets.values())
+    return tensors
 
 
 def _param_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
     pgb = chunk.param_and_grad_buffer
-    tensors: list[torch.Tensor | None] = []
-    for group in pgb.parameter_groups:
-        tensors.extend(_buffer_data(group, _WEIGHT_BUFFERS))
-    tensors.extend(_allocator_buckets(pgb, _WEIGHT_ALLOCATORS))
+    tensors = _flat_buffers(pgb, buffers=_WEIGHT_BUFFERS, allocators=_WEIGHT_ALLOCATORS)
     tensors.extend(_local(p) for _, p in pgb.optimizer_named_parameters)
     tensors.extend(_local(p) for p in chunk.parameters())
     return tensors
@@ -128,10 +125,7 @@ def _param_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
 
 def _grad_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
     pgb = chunk.param_and_grad_buffer
-    tensors: list[torch.Tensor | None] = []
-    for group in pgb.parameter_groups:
-        tensors.extend(_buffer_data(group, _GRAD_BUFFERS))
-    tensors.extend(_allocator_buckets(pgb, _GRAD_ALLOCATORS))
+    tensors = _flat_buffers(pgb, buffers=_GRAD_BUFFERS, allocators=_GRAD_ALLOCATORS)
     flat = getattr(pgb, "buffer", None)  # the one flat main-grad tensor per dtype
     if isinstance(flat, dict):
         tensors.extend(flat.values())
@@ -158,11 +152,7 @@ def offload_megatron_fsdp_model(
     chunks = megatron_fsdp_chunks(model_chunks)
     kinds = model_offload_kinds(params=params, grads=grads)
     for chunk in chunks:
-        for kind in kinds:
-            if is_offloaded(chunk, kind):
-                raise OffloadStateError(
-                    f"{kind!r} of {type(chunk).__name__} is already offloaded; onload it before offloading again"
-                )
+        refuse_offloaded(chunk, kinds)
     if params:
         synchronize_megatron_fsdp_params(chunks)
     groups = [
@@ -220,10 +210,7 @@ def offload_megatron_fsdp_optimizer(
     The fp32 main weights are the model's ``params`` group here (Megatron-FSDP owns them), so they move
     with :func:`offload_megatron_fsdp_model`. Local, no collective.
     """
-    if is_offloaded(optimizer, "optimizer"):
-        raise OffloadStateError(
-            f"optimizer of {type(optimizer).__name__} is already offloaded; onload it before offloading again"
-        )
+    refuse_offloaded(optimizer, ["optimizer"])
     tensors = _optimizer_state_tensors(optimizer)
     return offload_tensors(
         [(optimizer, "optimizer", tensors)], pin_memory=pin_memory, empty_cache=empty_cache

@@ -17,6 +17,7 @@ The settings are computed by :func:`megatron_fsdp_ddp_config` and handed to verl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from verl_mcore_utils.compat import megatron_fsdp_grad_precision
@@ -103,13 +104,7 @@ def megatron_fsdp_ddp_config(
             overrides[key] = _dtype(f"override_ddp_config.{key}", value)
     defaults = megatron_fsdp_defaults(override_ddp_config=overrides)
     return build_ddp_config(
-        wrap_config=WrapConfig(
-            is_value_model=wrap_config.is_value_model,
-            share_embeddings_and_output_weights=wrap_config.share_embeddings_and_output_weights,
-            wrap_with_ddp=wrap_config.wrap_with_ddp,
-            use_distributed_optimizer=True,
-            use_megatron_fsdp=True,
-        ),
+        wrap_config=replace(wrap_config, use_distributed_optimizer=True),
         override_ddp_config=overrides,
         path_defaults=defaults,
     )

@@ -22,6 +22,7 @@ from verl_mcore_utils.offload.state import (
     is_offloaded,
     offload_tensors,
     onload_tensors,
+    refuse_offloaded,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "onload_megatron_model",
     "onload_megatron_optimizer",
     "onload_tensors",
+    "refuse_offloaded",
 ]

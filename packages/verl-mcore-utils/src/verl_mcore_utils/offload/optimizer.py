@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.offload.state import (
-    OffloadStateError,
     OffloadStats,
     get_offload_state,
     offload_jobs,
     offloaded_state,
     onload_jobs,
+    refuse_offloaded,
 )
 
 # Master copies that megatron's mixed-precision optimizers own (all supported releases):
@@ -91,11 +91,8 @@ def offload_megatron_optimizer(
     copy after a step, rebuilt from the DDP grad buffer by every ``step()``; it is set to None so that
     memory is freed too instead of staying on the device.
     """
+    refuse_offloaded(optimizer, ["optimizer"])
     state = get_offload_state(optimizer, pin_memory=pin_memory)
-    if state.is_offloaded("optimizer"):
-        raise OffloadStateError(
-            f"optimizer of {state.label} is already offloaded; onload it before offloading again"
-        )
     if drop_master_grads:
         for master in master_params(optimizer):
             master.grad = None

@@ -201,6 +201,19 @@ def get_offload_state(owner: Any, *, pin_memory: bool | None = None) -> OffloadS
     return state
 
 
+def refuse_offloaded(owner: Any, kinds: Iterable[str]) -> None:
+    """Raise :class:`OffloadStateError` if a group of ``owner`` named in ``kinds`` is on the host now.
+
+    For offloads that do something else first (a collective, dropping grads): they check before it.
+    """
+    state = _STATES.get(owner)
+    for kind in kinds:
+        if state is not None and state.is_offloaded(kind):
+            raise OffloadStateError(
+                f"{kind!r} of {state.label} is already offloaded; onload it before offloading again"
+            )
+
+
 def is_offloaded(owner: Any, kind: str) -> bool:
     """Whether ``owner``'s group ``kind`` ("params", "grads", "optimizer") is on the host now."""
     state = _STATES.get(owner)
