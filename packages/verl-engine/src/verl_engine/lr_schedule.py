@@ -1,31 +1,8 @@
-"""Learning-rate schedules of verl's two optimizer configs, as one small stateful object.
+"""Learning-rate schedules of verl's two optimizer configs (FSDP and Megatron keys), as one small stateful object.
 
-Why not the libraries' own schedulers: verl builds a ``LambdaLR`` for FSDP and megatron-core's
-``OptimizerParamScheduler`` for Megatron; the engine wants one object for either config that it can
-query (``lr_at``), step, and checkpoint, without a megatron optimizer. The values reproduce both:
-
-- FSDP style (``FSDPOptimConfig``: ``lr_scheduler_type`` constant | cosine, ``min_lr_ratio``,
-  ``num_cycles``): verl's ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``
-  (``verl/utils/torch_functional.py``): warm-up ``lr * step / warmup`` from 0, then constant, or
-  ``lr * max(m, m + (1 - m) * 0.5 * (1 + cos(2 pi num_cycles progress)))`` with ``m = min_lr_ratio``.
-- Megatron style (``McoreOptimConfig``: ``lr_decay_style`` constant | linear | cosine, ``lr_warmup_init``,
-  ``min_lr``, ``lr_decay_steps``): megatron-core's ``OptimizerParamScheduler.get_lr``: warm-up from
-  ``lr_warmup_init`` while ``step <= warmup``, then decay to ``min_lr`` at ``lr_decay_steps`` and ``min_lr``
-  after. ``inverse-square-root`` and ``WSD`` raise ``NotImplementedError``.
-
-Step convention (both libraries'): ``lr_at(n)`` is the learning rate after ``n`` scheduler steps, i.e. the
-one the ``n``-th optimizer step (0-based) uses. Call :meth:`LRSchedule.apply` once after building the
-optimizer, then :meth:`LRSchedule.step` after every optimizer step.
-
-Warm-up length, as verl computes it: ``lr_warmup_steps`` when it is > 0, otherwise (None, -1 or 0)
-``int(lr_warmup_steps_ratio * N)`` with ``N`` the total training steps (FSDP) or the decay steps
-(Megatron: ``lr_decay_steps``, defaulting to the total). Note that verl treats ``lr_warmup_steps=0`` like
--1 (the ratio then decides); this module does the same. Total steps: ``optim.total_training_steps`` when
-> 0, else the ``total_training_steps`` argument; they are only required where the schedule needs them.
-
-Not reproduced: megatron's per-param-group ``max_lr`` / ``min_lr`` overrides (decoupled lr, muP); a group's
-``lr_mult`` is honoured. verl's ``zero_indexed_step=False`` (torchtitan) is honoured for the cosine
-schedule when the config carries the attribute, as verl does.
+Why not the libraries' schedulers: the engine wants one object for either config that it can query (``lr_at``), step
+and checkpoint without a megatron optimizer. Values reproduce verl's FSDP schedules and megatron-core's
+``OptimizerParamScheduler``; the formulas and the step convention: the package README.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Multi-token prediction (MTP) in the RL engine: targets per packed sequence, the loss, and its metrics.
 
-Depth ``k`` (1-based) of MTP predicts token ``c + 1 + k`` at position ``c`` from the depth ``k - 1``
-hidden state at ``c`` and the embedding of token ``c + k``. Inputs and targets are taken from each
-sequence's full tokens before the CP split (:func:`verl_dyncp.dynamic_cp_take_ahead`), so they never cross
-a sequence boundary or a CP shard border, with static or dynamic CP alike. A target counts when it
-exists in the sequence and is a training target of the batch (the response, for RL batches).
-
-The loss of depth ``k`` is the masked cross-entropy averaged over the call's valid depth-``k`` targets,
-normalised like the engine's main loss (each rank's own tokens, times the pool size, because the
-gradients are averaged over the pool): the MTP gradient is therefore independent of micro-batching, DP
-and CP by construction (no process-global scale such as megatron-core's MTPLossAutoScaler, whose
-scale misses the CP factor: Megatron-LM PR #3959). The term added to the training loss is
-``mtp_loss_scaling_factor / num_layers * loss_k``; logits use the output layer's weight detached, so
-MTP never trains the LM head. The loss reported to the caller stays the policy's loss (as verl's).
-
-Metrics (``mtp_losses/mtp_<k>_loss``) are local sums reduced over the pool by :meth:`MtpTracker.reduce`,
-the one place that decides who joins the reduction: every rank that holds tracker state (every rank of
-the last pipeline stage, whatever its DP or CP position) calls it; the engine calls it on each such
-rank unconditionally. verl once called it only on CP rank 0 and the other CP ranks never joined.
+Targets come from each sequence's own tokens before the CP split, so they never cross a sequence or a shard
+border; the loss is normalised like the main loss, so its gradient does not depend on micro-batching, DP or CP.
+Design notes: the package README.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """Save and resume a Megatron-FSDP training state with torch.distributed.checkpoint (fsdp_dtensor format).
 
-Why this format: megatron-core's DistributedOptimizer refuses every other sharding type for
-Megatron-FSDP (``sharded_state_dict`` raises unless ``distrib_optim_sharding_type == 'fsdp_dtensor'``);
-in it each parameter and each optimizer-state tensor is one DTensor, written by every rank's shard
-with torch.distributed.checkpoint (DCP). This is what Megatron-LM's ``--ckpt-format fsdp_dtensor``
-writes, minus its key rewrites for tensor-parallel resharding (SwiGLU / expert splits), which a
-resume on the same layout does not need.
-
-What is saved (one DCP checkpoint directory):
-
-* ``model`` (or ``model0``, ``model1``, ... for several chunks): each chunk's ``state_dict()``; for a
-  Megatron-FSDP chunk these are the DTensor main (fp32) weights, the numbers the optimizer trains;
-* ``optimizer`` (``optimizer0``, ... for a chained optimizer with several members): each member's
-  ``sharded_state_dict(metadata={'distrib_optim_sharding_type': 'fsdp_dtensor'})``: Adam moments as
-  DTensors, step counters, the parameter groups' hyper-parameters by parameter name;
-* ``verl_mfsdp_checkpoint.json``, written by rank 0 after every rank finished: layout (world size,
-  data / tensor parallel sizes, sharding strategy, number of chunks), ``step`` and ``extra``. It is the
-  completion marker: a directory without it is an incomplete or foreign checkpoint.
-
-Megatron-FSDP shards unevenly, which DCP cannot infer from a DTensor; megatron-core's
-``preprocess_state_dict_for_uneven_dtensor`` attaches the true offsets before save and load.
-
-Resume is exact: DCP loads in place into the main-weight buffer and the optimizer state; the compute
-(bf16) weights are then re-derived from the main weights with Megatron-FSDP's own cast
-(``install_optimized_model_weights``, what every optimizer step does) and re-gathered, so the next step
-computes what the uninterrupted run computes. Save and load are collectives: call them on every rank.
+Why this format: megatron-core's DistributedOptimizer refuses every other sharding type for Megatron-FSDP.
+Resume is exact (the compute weights are re-derived from the loaded main weights). Save and load are
+collectives. What is saved and why: the package README.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Offload a Megatron-FSDP training state (parameters, gradients, optimizer state) to host memory and back.
 
-In RL the trainer and the rollout engine take turns on the same GPUs. The memory that actually holds the
-state is moved: the storages behind Megatron-FSDP's flat buffers and the DTensors' *local shards*, never the
-DTensor wrappers (why: the README's design notes).
-
-The mechanism is verl_mcore_utils.offload's (one page-locked host buffer per device storage, reused by
-every cycle; storages resized to 0 bytes in place and back, so every view - module parameters,
-DTensor local tensors, ``param.grad`` - stays valid and the round trip is bitwise). This module only
-says which tensors belong to each group:
-
-* ``params``: per parameter group the model-weight (compute dtype) buffer, the fp32 main-weight buffer,
-  transpose / HSDP helper buffers, the persistent all-gather buckets of non-FSDP-unit modules
-  (embedding, output layer, final norm), the optimizer's DTensor parameters' local shards and the
-  module parameters' local tensors (all views into the above, deduplicated by storage).
-* ``grads``: the main-gradient buffers (megatron-core keeps one flat buffer per dtype), their
-  temporary buckets, and the gradients attached to the optimizer's DTensor parameters.
-* ``optimizer``: every tensor of the inner torch optimizer's state (Adam moments: local shards of
-  DTensors; CPU step counters stay where they are).
-
-Parameter all-gather: before the params are offloaded every chunk's pending all-gather is waited for
-and the gathered FSDP-unit buckets are released (:func:`verl_mfsdp.synchronize_megatron_fsdp_params`),
-so only shards move. After the params come back the all-gather is restarted synchronously
-(:func:`verl_mfsdp.restart_megatron_fsdp_param_sync`), which is what the optimizer step does, so
-training continues exactly as without the offload. Both are collectives over the data-parallel group:
-call offload and onload on every rank.
-
-Not supported (refused with an error): NCCL user-buffer registration (``nccl_ub``) and FSDP double
-buffering (``fsdp_double_buffer``): their memory comes from fixed pools registered elsewhere.
+In RL the trainer and the rollout engine take turns on the same GPUs. verl_mcore_utils.offload's mechanism
+moves the storages behind Megatron-FSDP's flat buffers and the DTensors' local shards; this module says which
+tensors belong to each group. Offload and onload are collectives. Details: the package README.
 """
 
 from __future__ import annotations
