@@ -7,7 +7,6 @@ without megatron-core.
 """
 
 from importlib import metadata as _metadata
-from typing import Any
 
 from verl_dyncp.cp_context import CPContext, attach_cp_context
 from verl_dyncp.groups import CPGroup, CPGroups
@@ -36,6 +35,7 @@ from verl_dyncp.thd import (
 )
 from verl_dyncp.thd_attention import thd_attention
 from verl_mcore_utils.compat import prepare_megatron_import
+from verl_mcore_utils.lazy import lazy_attributes
 
 # Before any module of this package imports megatron-core (Python runs this file first): check the release
 # and prepare a GPU-less machine. The modules imported above do not import megatron-core.
@@ -81,9 +81,4 @@ __all__ = [  # the names imported above, then every lazy name
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'verl_dyncp' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(module=__name__, lazy=_LAZY)

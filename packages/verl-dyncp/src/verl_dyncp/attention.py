@@ -16,49 +16,35 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_dyncp.cp_context import CPContext, attach_cp_context, get_cp_context
 from verl_dyncp.layout import thd_layout
 from verl_dyncp.rope import apply_rope, rope_inv_freq
 from verl_dyncp.thd_attention import thd_attention
+from verl_mcore_utils.attention import AttentionCall, CoreAttentionBase
 
 __all__ = ["CPContext", "DynCPCoreAttention", "attach_cp_context", "dyncp_core_attention"]
 
 
-class DynCPCoreAttention(MegatronModule):
+class DynCPCoreAttention(CoreAttentionBase):
     """``core_attention`` for megatron-core layer specs: THD + (dynamic) CP, causal, GQA, optional RoPE.
 
     Class attributes (set by :func:`dyncp_core_attention`, since megatron-core 0.19 instantiates the
     spec's class directly and cannot pass extra constructor arguments): ``rotary_base`` (None: no RoPE
-    here), ``rotary_percent`` and ``kernel`` ("auto", "varlen", "cudnn" or "sdpa").
+    here), ``rotary_percent`` and ``kernel`` ("auto", "varlen", "cudnn" or "sdpa"). The constructor takes
+    megatron-core's core-attention arguments (:class:`verl_mcore_utils.attention.CoreAttentionBase`).
     """
 
     rotary_base: float | None = None
     rotary_percent: float = 1.0
     kernel: str = "auto"
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        **process_groups: Any,
-    ) -> None:
-        super().__init__(config=config)
-        if attention_type != "self":
-            raise ValueError(f"DynCPCoreAttention supports self attention only, got {attention_type!r}")
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale
-        pg_collection = process_groups.get("pg_collection")
-        self._static_cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.attention_type != "self":
+            raise ValueError(f"DynCPCoreAttention supports self attention only, got {self.attention_type!r}")
+        config = self.config
+        self._static_cp_group = getattr(self.pg_collection, "cp", None)
         self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
         self._inv_freq = (
             rope_inv_freq(
@@ -84,26 +70,16 @@ class DynCPCoreAttention(MegatronModule):
             x, position_ids=positions, inv_freq=self._inv_freq, interleaved=self.rotary_interleaved
         )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: Any | None = None,
-        **_unused: Any,
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: AttentionCall
     ) -> torch.Tensor:
         """THD: [T, np, hn] x [T, ng, hn] x [T, ng, hn] -> [T, np * hn].
 
         BSHD without CP (no packed_seq_params): [s, b, np, hn] -> [s, b, np * hn].
         """
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask_type != AttnMaskType.causal:
-            raise ValueError(f"DynCPCoreAttention implements causal attention only, got {mask_type}")
-        if attention_bias is not None:
-            raise ValueError("DynCPCoreAttention does not support attention_bias")
+        if call.mask_type != AttnMaskType.causal:
+            raise ValueError(f"DynCPCoreAttention implements causal attention only, got {call.mask_type}")
+        packed_seq_params = call.packed_seq_params
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", "thd") != "thd":
             return self._forward_bshd(query, key, value, dropout=dropout)

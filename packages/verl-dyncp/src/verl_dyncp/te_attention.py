@@ -116,16 +116,10 @@ class _DynCPGroupMixin:
         self._active_group = group
 
     def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: Any | None = None,
-        **kwargs: Any,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
     ) -> torch.Tensor:
+        """megatron-core's call, which passes the mask type, bias and packed_seq_params by keyword."""
+        packed_seq_params = kwargs.get("packed_seq_params")
         if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
             raise ValueError(
                 "the 'te' kernel of verl-dyncp takes packed THD batches only (packed_seq_params with"
@@ -145,20 +139,11 @@ class _DynCPGroupMixin:
             rotary_interleaved=self._interleaved,
         )
         self._use_group(context.cp_group)
-        if attn_mask_type is None:
+        if kwargs.get("attn_mask_type") is None:
             from megatron.core.transformer.enums import AttnMaskType
 
-            attn_mask_type = AttnMaskType.causal
-        out = super().forward(  # type: ignore[misc]
-            query,
-            key,
-            value,
-            attention_mask,
-            attn_mask_type=attn_mask_type,
-            attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params,
-            **kwargs,
-        )
+            kwargs["attn_mask_type"] = AttnMaskType.causal
+        out = super().forward(query, key, value, attention_mask, **kwargs)  # type: ignore[misc]
         # megatron >= 0.16 re-applies the group from PackedSeqParams (the same one); keep in step
         self._active_group = context.cp_group
         out = out.reshape(layout.num_local_tokens, -1)

@@ -16,9 +16,9 @@ ranks and torch-only users start fast.
 """
 
 from importlib import metadata as _metadata
-from typing import Any
 
 from verl_mcore_utils.compat import prepare_megatron_import
+from verl_mcore_utils.lazy import lazy_attributes
 
 # Before any module of this package imports megatron-core (Python runs this file first): check the release
 # and prepare a GPU-less machine.
@@ -44,18 +44,6 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'verl_engine' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_attributes(module=__name__, lazy=_LAZY)
 
 __all__ = sorted(_LAZY)

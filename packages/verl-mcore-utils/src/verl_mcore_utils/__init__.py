@@ -6,7 +6,7 @@ package README. Submodules load on first use (below).
 """
 
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # Only the version helpers load eagerly. The rest is imported on first use (PEP 562), so that
 # ``import verl_mcore_utils.testing`` (the spawned-rank runner) or the compat helpers do not pull in
@@ -19,6 +19,7 @@ from verl_mcore_utils.compat import (
     mcore_version,
     prepare_megatron_import,
 )
+from verl_mcore_utils.lazy import lazy_attributes
 
 prepare_megatron_import()
 
@@ -106,15 +107,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'verl_mcore_utils' has no attribute {name!r}")
-
+__getattr__, __dir__ = lazy_attributes(module=__name__, lazy=_LAZY)
 
 __version__ = _metadata.version("verl-mcore-utils")  # single source: pyproject.toml
 

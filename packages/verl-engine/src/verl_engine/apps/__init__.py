@@ -5,7 +5,7 @@ Imports run from here into the engine core only, never back: the core is usable 
 Names load on first use (PEP 562).
 """
 
-from typing import Any
+from verl_mcore_utils.lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "GRPORun": "verl_engine.apps.grpo_run",
@@ -23,18 +23,6 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'verl_engine.apps' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_attributes(module=__name__, lazy=_LAZY)
 
 __all__ = sorted(_LAZY)
