@@ -103,6 +103,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("test_packed", "test_rl_batch", "test_engine_data"),
     ),
     ("verl-engine", "RL engine: parity with transformers, DP, TP, CP", ("test_rl_engine_cpu",)),
+    (
+        "verl-engine",
+        "one optimizer path, no host sync between micro-batches",
+        ("test_engine_optimizer", "test_engine_no_host_sync"),
+    ),
     ("verl-engine", "packed batches, static / dynamic CP", ("test_engine_packed_cpu",)),
     ("verl-engine", "PP, PP x VPP, PP x TP / CP", ("test_rl_engine_pipeline*",)),
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
@@ -136,7 +141,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     ("verl-engine", "CLI start-up output", ("test_cli_output",)),
-    ("verl-engine", "packaging rules, release tooling (all packages)", ("test_packaging", "test_release_*")),
+    (
+        "verl-engine",
+        "packaging rules, structure, benchmark records, release tooling (all packages)",
+        ("test_packaging", "test_structure", "test_benchmark_results", "test_release_*"),
+    ),
 )
 OUTCOMES = ("passed", "failed", "skipped")
 FILE_NAME = re.compile(r"^(?P<group>[a-z][a-z-]*?)(?:-mcore(?P<version>\d+(?:\.\d+)+))?\.xml$")
