@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+import pytest
 import torch
+
+# mbridge is an optional extra: tests parametrised over it skip its path, not fail, where it is not installed
+MBRIDGE = pytest.param(
+    "mbridge",
+    marks=pytest.mark.skipif(
+        importlib.util.find_spec("mbridge") is None,
+        reason="mbridge is not installed (pip install 'verl-mcore-utils[mbridge]')",
+    ),
+)
 
 
 def _collectives(fn: Any) -> set[str]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from construction_workers import build_and_reduce
+from construction_workers import MBRIDGE, build_and_reduce
 from verl_mcore_utils.testing import run_distributed
 
-PATHS = ["provider", "plain", "mbridge"]
+PATHS = ["provider", "plain", MBRIDGE]
 _CKPT: dict[str, str] = {}
 
 

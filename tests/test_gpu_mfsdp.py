@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from construction_workers import MBRIDGE
 from mfsdp_workers import train_steps
 from verl_mcore_utils.testing import run_distributed
 
@@ -40,7 +41,7 @@ def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.num_gpus(2)
-@pytest.mark.parametrize("path", ["mbridge", "spec", "provider"])
+@pytest.mark.parametrize("path", [MBRIDGE, "spec", "provider"])
 def test_every_construction_path_is_wrapped_with_megatron_fsdp(path: str, qwen2_checkpoint: str) -> None:
     """The flag means the same on every path: each is wrapped by Megatron-FSDP and trains like its DDP run."""
     args = (5, "optim_grads_params", path, qwen2_checkpoint)
