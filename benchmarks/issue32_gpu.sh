@@ -33,7 +33,6 @@ sft)
   PYTHONPATH=$new python3 - <<'PY' | tail -1
 import sys
 
-import verl_engine.build as build
 import verl_engine.optimizer as optimizer
 
 fixed = optimizer.build_optimizer
@@ -46,7 +45,7 @@ def decay_everything(chunks, *, settings, debug, params_dtype):
     return opt
 
 
-build.build_optimizer = decay_everything
+optimizer.build_optimizer = decay_everything  # role_optimizer looks it up in its module at call time
 from verl_engine.apps.cli import main
 
 sys.exit(main(["train", "--device", "cuda", "--no-progress", "--output-dir", "/tmp/sft_after_nofix"]))

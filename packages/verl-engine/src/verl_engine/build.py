@@ -20,7 +20,7 @@ from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.engine import RLEngine
 from verl_engine.micro_batching import MicroBatching
 from verl_engine.mtp import MtpSettings
-from verl_engine.optimizer import build_optimizer, optimizer_settings
+from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
 
 __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
@@ -88,12 +88,10 @@ def build_rl_engine(
 ) -> RLEngine:
     """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
 
-    ``optim`` (an optimizer section: ``McoreOptimConfig``, or the SFT one) None = forward only (reference
-    policy). ``hf_config`` replaces reading ``model_path``'s config; weights are loaded from ``model_path``
-    when given. megatron-core's parallel state is initialised here if it is not yet (``context_parallel_size=1``:
-    CP runs in verl-dyncp's groups over the DP x CP pool). ``mtp``: verl-config's ``MtpConfig`` or None;
-    ``lora``: the model section's ``LoraConfig`` (adapters inserted before DDP, only they train);
-    ``fused_lm_head`` (``model.use_fused_kernels``): log-probs from the last hidden states chunk by chunk.
+    ``optim`` (``McoreOptimConfig`` or the SFT section) None = forward only. ``hf_config`` replaces reading
+    ``model_path``'s config; weights load from ``model_path`` when given. megatron-core's parallel state is
+    initialised here if it is not yet (CP runs in verl-dyncp's groups). ``mtp``: ``MtpConfig`` or None; ``lora``:
+    the model's ``LoraConfig``; ``fused_lm_head``: ``model.use_fused_kernels``.
     """
     model = _model_config(
         engine=engine,
@@ -109,19 +107,15 @@ def build_rl_engine(
     trains = optim is not None and not engine.forward_only
     tf_config = _transformer_config(engine, model=model, parallel=parallel, device=device, trains=trains)
     chunks = _model_chunks(engine, model=model, tf_config=tf_config, device=device, trains=trains)
-    optimizer, lr_schedule = None, None
-    if trains:
-        optimizer = _optimizer(chunks, engine=engine, optim=optim, debug=debug, tf_config=tf_config)
-        if model.mtp_layers and parallel.pp > 1 and not debug:
-            _sum_mtp_embedding_grads_in_finalize(chunks)
-        from verl_engine.lr_schedule import lr_schedule_from_config
-
-        lr_schedule = lr_schedule_from_config(optim, total_training_steps=total_training_steps)
-        lr_schedule.apply(optimizer)  # step 0's learning rate (warm-up starts below optim.lr)
-    else:
-        for chunk in chunks:
-            for p in chunk.parameters():
-                p.requires_grad_(False)
+    optimizer, lr_schedule = training_state(
+        chunks,
+        engine=engine,
+        optim=optim if trains else None,
+        mtp_pipeline=bool(model.mtp_layers) and parallel.pp > 1,
+        debug=debug,
+        tf_config=tf_config,
+        total_training_steps=total_training_steps,
+    )
     return _assemble(
         chunks,
         engine=engine,
@@ -289,21 +283,6 @@ def _model_chunks(
     return chunks
 
 
-def _optimizer(chunks: list[torch.nn.Module], *, engine: Any, optim: Any, debug: bool, tf_config: Any) -> Any:
-    """The optimizer with the DDP config's ``use_distributed_optimizer`` (the one the buffers were laid out
-    for); a wrapped model that disagrees with the section is an error naming both keys."""
-    use_distributed = bool(engine.use_distributed_optimizer)
-    ddp_config = getattr(chunks[0], "ddp_config", None)
-    if ddp_config is not None and bool(ddp_config.use_distributed_optimizer) != use_distributed:
-        raise ValueError(
-            f"megatron.use_distributed_optimizer={engine.use_distributed_optimizer} but the model was wrapped with"
-            f" override_ddp_config.use_distributed_optimizer={ddp_config.use_distributed_optimizer}; set one of"
-            " them (megatron.use_distributed_optimizer) so that DDP and the optimizer agree"
-        )
-    settings = optimizer_settings(optim=optim, engine=engine, use_distributed_optimizer=use_distributed)
-    return build_optimizer(chunks, settings=settings, debug=debug, params_dtype=tf_config.params_dtype)
-
-
 def _backend(optim: Any | None, *, debug: bool, pool: int) -> DebugBackend | MegatronBackend:
     if not debug:
         return MegatronBackend()
@@ -452,22 +431,6 @@ def rl_engine_from_config(
 
 def _is_dir(path: str | None) -> bool:
     return bool(path) and Path(os.path.expanduser(str(path))).is_dir()
-
-
-def _sum_mtp_embedding_grads_in_finalize(chunks: list[torch.nn.Module]) -> None:
-    """megatron-core's finalize_model_grads, then the MTP embedding pair's gradients summed (pipeline stages)."""
-    from verl_mcore_utils.module import get_model_config
-    from verl_mcore_utils.mtp import sync_mtp_embedding
-
-    config = get_model_config(chunks)
-    finalize = config.finalize_model_grads_func
-
-    def finalize_with_mtp_embedding(*args: Any, **kwargs: Any) -> Any:
-        out = finalize(*args, **kwargs)
-        sync_mtp_embedding(chunks, grads=True)
-        return out
-
-    config.finalize_model_grads_func = finalize_with_mtp_embedding
 
 
 def _fused_lm_head(model: Any) -> bool:

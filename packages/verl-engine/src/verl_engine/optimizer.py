@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_optimizer", "decays", "optimizer_settings"]
+__all__ = ["build_optimizer", "decays", "optimizer_settings", "role_optimizer", "training_state"]
 
 
 def decays(name: str, param: torch.nn.Parameter) -> bool:
@@ -76,3 +76,64 @@ def _debug_adamw(chunks: Sequence[torch.nn.Module], settings: dict[str, Any]) ->
         betas=(float(settings["adam_beta1"]), float(settings["adam_beta2"])),
         eps=float(settings.get("adam_eps", 1e-8)),
     )
+
+
+def training_state(
+    chunks: list[torch.nn.Module],
+    *,
+    engine: Any,
+    optim: Any | None,
+    mtp_pipeline: bool,
+    debug: bool,
+    tf_config: Any,
+    total_training_steps: int | None,
+) -> tuple[Any, Any]:
+    """The optimizer and LR schedule of a role that trains (``optim`` given); a forward-only role's parameters
+    are frozen and it gets neither. ``mtp_pipeline``: MTP layers on pipeline stages (the embedding pair's
+    gradients are summed after megatron-core's finalize)."""
+    if optim is None:
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.requires_grad_(False)
+        return None, None
+    optimizer = role_optimizer(chunks, engine=engine, optim=optim, debug=debug, tf_config=tf_config)
+    if mtp_pipeline and not debug:
+        _sum_mtp_embedding_grads_in_finalize(chunks)
+    from verl_engine.lr_schedule import lr_schedule_from_config
+
+    lr_schedule = lr_schedule_from_config(optim, total_training_steps=total_training_steps)
+    lr_schedule.apply(optimizer)  # step 0's learning rate (warm-up starts below optim.lr)
+    return optimizer, lr_schedule
+
+
+def role_optimizer(
+    chunks: list[torch.nn.Module], *, engine: Any, optim: Any, debug: bool, tf_config: Any
+) -> Any:
+    """The optimizer with the DDP config's ``use_distributed_optimizer`` (the one the buffers were laid out
+    for); a wrapped model that disagrees with the section is an error naming both keys."""
+    use_distributed = bool(engine.use_distributed_optimizer)
+    ddp_config = getattr(chunks[0], "ddp_config", None)
+    if ddp_config is not None and bool(ddp_config.use_distributed_optimizer) != use_distributed:
+        raise ValueError(
+            f"megatron.use_distributed_optimizer={engine.use_distributed_optimizer} but the model was wrapped with"
+            f" override_ddp_config.use_distributed_optimizer={ddp_config.use_distributed_optimizer}; set one of"
+            " them (megatron.use_distributed_optimizer) so that DDP and the optimizer agree"
+        )
+    settings = optimizer_settings(optim=optim, engine=engine, use_distributed_optimizer=use_distributed)
+    return build_optimizer(chunks, settings=settings, debug=debug, params_dtype=tf_config.params_dtype)
+
+
+def _sum_mtp_embedding_grads_in_finalize(chunks: list[torch.nn.Module]) -> None:
+    """megatron-core's finalize_model_grads, then the MTP embedding pair's gradients summed (pipeline stages)."""
+    from verl_mcore_utils.module import get_model_config
+    from verl_mcore_utils.mtp import sync_mtp_embedding
+
+    config = get_model_config(chunks)
+    finalize = config.finalize_model_grads_func
+
+    def finalize_with_mtp_embedding(*args: Any, **kwargs: Any) -> Any:
+        out = finalize(*args, **kwargs)
+        sync_mtp_embedding(chunks, grads=True)
+        return out
+
+    config.finalize_model_grads_func = finalize_with_mtp_embedding
