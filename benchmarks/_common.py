@@ -40,6 +40,23 @@ def lengths_for(kind: str, *, count: int, seq: int, seed: int) -> list[int]:
     return [int(math.exp(math.log(256) + float(x) * (math.log(seq) - math.log(256)))) for x in u]
 
 
+def _ppo_batch(
+    ids: torch.Tensor, mask: torch.Tensor, *, prompt: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """verl's padded batch around ``ids`` / ``mask`` [n, prompt + response]: PPO tensors of the response part
+    (advantages drawn from ``generator`` after the tokens, so each caller's random stream is unchanged)."""
+    n, response = ids.shape[0], ids.shape[1] - prompt
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask[:, prompt:].clone(),
+        "old_log_probs": torch.full((n, response), -11.0),
+        "ref_log_prob": torch.full((n, response), -11.0),
+        "advantages": torch.randn((n, response), generator=generator),
+    }
+
+
 def make_batch(lengths: list[int], *, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     """verl's padded layout: a 64-token prompt (left-padded) and the rest as the response."""
     g = torch.Generator().manual_seed(seed)
@@ -53,15 +70,7 @@ def make_batch(lengths: list[int], *, vocab: int, seed: int) -> dict[str, torch.
             1, vocab, (length,), generator=g
         )  # prompt whole, response right-padded
         mask[i, :length] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": mask[:, prompt:].clone(),
-        "old_log_probs": torch.full((n, response), -11.0),
-        "ref_log_prob": torch.full((n, response), -11.0),
-        "advantages": torch.randn((n, response), generator=g),
-    }
+    return _ppo_batch(ids, mask, prompt=prompt, generator=g)
 
 
 def synced(fn):
@@ -176,13 +185,7 @@ def rl_batch(*, n: int, prompt: int, response: int, vocab: int, seed: int) -> di
         ids[i, prompt - pl : prompt + rl] = torch.randint(1, vocab, (pl + rl,), generator=g)
         mask[i, prompt - pl : prompt + rl] = 1
     return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": mask[:, prompt:].clone(),
-        "old_log_probs": torch.full((n, response), -11.0),
-        "ref_log_prob": torch.full((n, response), -11.0),
-        "advantages": torch.randn((n, response), generator=g),
+        **_ppo_batch(ids, mask, prompt=prompt, generator=g),
         "values": torch.zeros((n, response)),
         "returns": torch.randn((n, response), generator=g),
     }

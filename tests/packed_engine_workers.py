@@ -127,9 +127,7 @@ def packed_runs(
 
 def _plan_summary(engine: Any, batch: Any) -> list[tuple[int, ...]]:
     """The CP size(s) of every micro-batch of ``batch`` (what the planner chose)."""
-    return [
-        tuple(sorted({b.size for b in p.split.plan.blocks}, reverse=True)) for p in ops.plans(engine, batch)
-    ]
+    return engine.plan_cp_sizes(ops.sft_data(batch))
 
 
 def _merged_positions(engine: Any, batch: Any) -> list[int]:

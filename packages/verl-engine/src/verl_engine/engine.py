@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verl_engine.forward import ModelForward, _unwrap
 from verl_engine.lifetime import Closeable
-from verl_engine.metrics import Metric, MetricAccumulator, Reduction
+from verl_engine.metrics import MetricAccumulator
 from verl_engine.micro_batching import MicroBatching, split_to_multiple
 from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts
 from verl_engine.packed import (
@@ -54,7 +54,6 @@ class _Call:
     mtp_packed: PackedBatch | None = None
     mtp_counts: list[int] = dataclasses.field(default_factory=list)
     per_seq: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
-    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
     metrics: MetricAccumulator = dataclasses.field(default_factory=MetricAccumulator)
 
 
@@ -342,16 +341,13 @@ class RLEngine(ModelForward, WeightExport, Closeable):
     def plan_cp_sizes(self, data: Mapping[str, Any]) -> list[tuple[int, ...]]:
         """The CP sizes verl-dyncp's planner gives each micro-batch of ``data`` (largest first): what a call
         on this batch runs. Every rank must call it (the batch is checked to be the same everywhere)."""
-        batch = RLBatch.from_data(data)
-        check_same_batch_on_every_rank(
-            batch.packed, device=self.device, message="ranks were given different batches to plan"
-        )
-        return [tuple(sorted({b.size for b in p.split.plan.blocks}, reverse=True)) for p in self._plan(batch)]
+        return [
+            tuple(sorted({b.size for b in p.split.plan.blocks}, reverse=True))
+            for p in self._plan(self._checked_batch(data))
+        ]
 
-    def _start_call(
-        self, data: Mapping[str, Any], loss_function: LossFunction | None, *, forward_only: bool
-    ) -> _Call:
-        """Validate the batch (the same on every rank) and read the call's settings, before any micro-batch."""
+    def _checked_batch(self, data: Mapping[str, Any]) -> RLBatch:
+        """The call's batch, validated and checked to be the same on every rank (before any collective)."""
         batch = RLBatch.from_data(data)
         check_same_batch_on_every_rank(
             batch.packed,
@@ -359,6 +355,13 @@ class RLEngine(ModelForward, WeightExport, Closeable):
             message="ranks were given different batches (lengths or tokens differ); the engine needs the call's"
             " whole batch, identical, on every rank (get_data_parallel_size() is 1)",
         )
+        return batch
+
+    def _start_call(
+        self, data: Mapping[str, Any], loss_function: LossFunction | None, *, forward_only: bool
+    ) -> _Call:
+        """Validate the batch (the same on every rank) and read the call's settings, before any micro-batch."""
+        batch = self._checked_batch(data)
         temperature = float(read_scalar(data, "temperature", 1.0))
         call = _Call(
             data=data,
@@ -396,7 +399,7 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         loss_data = batch.rows(call.data, mb.indices, device=self.device) | call.scalars
         model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
         loss, metrics = call.loss_function(model_output=model_output, data=loss_data, dp_group=None)
-        call.losses.append(loss.detach())
+        call.metrics.add_loss(loss)
         call.metrics.add(metrics)
         return loss if mtp_term is None else loss + mtp_term
 
@@ -408,13 +411,9 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         extra: Any = None
         if self.pipeline.is_last_stage:
             flat = {key: torch.cat(values) for key, values in call.per_seq.items()}
-            if call.losses:
-                call.metrics.add({"__loss__": _loss_share(torch.stack(call.losses).sum())})
-            summary = call.metrics.reduce(pool_size=self.pool_size)
-            loss_total = summary.pop("__loss__", 0.0)
-            if (
-                call.tracker is not None
-            ):  # every last-stage rank joins the pool's reduction (see verl_engine.mtp)
+            loss_total, summary = call.metrics.reduce(pool_size=self.pool_size)
+            # every last-stage rank joins the pool's MTP reduction (see verl_engine.mtp)
+            if call.tracker is not None:
                 summary.update(call.tracker.reduce(group=self.cp_groups.full_group))
             extra = (loss_total, summary)
         sizes = {key: sum(batch.packed.seq_lens) for key in self._output_keys(call.entropy)}
@@ -466,8 +465,3 @@ class RLEngine(ModelForward, WeightExport, Closeable):
             if self.micro_batching.use_dynamic_bsz
             else None,
         )
-
-
-def _loss_share(total: torch.Tensor) -> Metric:
-    """The call's summed micro-batch losses as a SUM metric (divided by the pool size like every share)."""
-    return Metric(total, Reduction.SUM)

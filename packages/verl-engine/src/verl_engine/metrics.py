@@ -51,6 +51,11 @@ class MetricAccumulator:
     def __init__(self) -> None:
         self._values: dict[str, list[torch.Tensor | float]] = {}
         self._reductions: dict[str, Reduction] = {}
+        self._losses: list[torch.Tensor] = []
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Record one micro-batch's loss (its share of the global loss, detached, never read here)."""
+        self._losses.append(loss.detach())
 
     def add(self, metrics: Mapping[str, Any]) -> None:
         """Record one micro-batch's metrics (tensors are detached, never read here)."""
@@ -65,18 +70,22 @@ class MetricAccumulator:
             value = metric.value.detach() if isinstance(metric.value, torch.Tensor) else float(metric.value)
             self._values.setdefault(name, []).append(value)
 
-    def reduce(self, *, pool_size: int) -> dict[str, float]:
-        """Every metric reduced: SUM -> sum / ``pool_size`` (the loss carries the pool size, as the gradient
-        average undoes it), MEAN -> mean over micro-batches. One device-to-host copy for all of them."""
+    def reduce(self, *, pool_size: int) -> tuple[float, dict[str, float]]:
+        """(the step's loss, every metric reduced): SUM -> sum / ``pool_size`` (the loss carries the pool size, as
+        the gradient average undoes it; the loss is summed the same way), MEAN -> mean over micro-batches. One
+        device-to-host copy per device for all of them."""
         names = list(self._values)
         tensors = [v for name in names for v in self._values[name] if isinstance(v, torch.Tensor)]
+        if self._losses:
+            tensors.append(torch.stack(self._losses).sum())
         host = iter(_to_host(tensors))
         out: dict[str, float] = {}
         for name in names:
             values = [next(host) if isinstance(v, torch.Tensor) else v for v in self._values[name]]
             total = sum(values)
             out[name] = total / pool_size if self._reductions[name] is Reduction.SUM else total / len(values)
-        return out
+        loss = next(host) / pool_size if self._losses else 0.0
+        return loss, out
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[float]:

@@ -78,9 +78,9 @@ def train(cfg: SFTConfig) -> RunSummary:
         context_parallel_size=1,  # CP (static or dynamic) runs in verl-dyncp's groups over the DP x CP pool
         device=device.type,
     )
-    if not m.dynamic_context_parallel:
-        cfg.check_world_size(dims.world_size)
-    try:
+    try:  # a layout error below still releases the process groups
+        if not m.dynamic_context_parallel:
+            cfg.check_world_size(dims.world_size)
         engine = build_sft_engine(cfg, device=device)
         with engine:
             return _train(cfg, engine=engine, dims=dims, device=device)
