@@ -744,7 +744,23 @@ def gpu_engines_in_turn(rank: int, world_size: int, hf_config: dict[str, Any], r
         engine.close()
         out["after"].append(torch.cuda.memory_allocated())
         out["reserved_after"].append(torch.cuda.memory_reserved())
+    out["live_cuda_tensors"] = _live_cuda_tensors()
     return out
+
+
+def _live_cuda_tensors() -> list[str]:
+    """Every CUDA tensor the garbage collector still reaches (shape, dtype, bytes): what a leak holds."""
+    import gc
+
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                found.append(f"{tuple(obj.shape)} {obj.dtype} {obj.untyped_storage().nbytes()} B")
+        except Exception:  # objects that fail isinstance or attribute access are not tensors we own
+            continue
+    return sorted(found)
 
 
 def gpu_wgrad_fusion_grads(

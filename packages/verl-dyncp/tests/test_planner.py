@@ -7,7 +7,14 @@ import random
 import pytest
 from dyncp_workers import results
 
-from verl_dyncp.planner import CPBlock, DynamicCPPlan, WorkloadModel, dynamic_cp_size, plan_dynamic_cp
+from verl_dyncp.planner import (
+    GEMM_ROOFLINE_TOKENS,
+    CPBlock,
+    DynamicCPPlan,
+    WorkloadModel,
+    dynamic_cp_size,
+    plan_dynamic_cp,
+)
 
 
 @pytest.mark.parametrize(("longest", "k"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)])
@@ -171,7 +178,10 @@ def test_refinement_lowers_the_busiest_rank_on_long_tails() -> None:
 
 def test_workload_model_for_transformer_counts_the_model_shape() -> None:
     # hidden size only: f = 4h, no GQA, no LM head -> 24 h^2 dense per token vs 2 h L attention: 12 h
-    assert WorkloadModel.for_transformer(hidden_size=1536) == WorkloadModel(quadratic=1, linear=12 * 1536)
+    expected = WorkloadModel(quadratic=1, linear=12 * 1536, min_rank_tokens=GEMM_ROOFLINE_TOKENS)
+    assert WorkloadModel.for_transformer(hidden_size=1536) == expected
+    assert expected.rank_floor == 12 * 1536 * GEMM_ROOFLINE_TOKENS
+    assert WorkloadModel.for_transformer(hidden_size=1536, min_rank_tokens=0).rank_floor == 0
     # Qwen2.5-1.5B: h 1536, 12 heads x 128, 2 KV groups, gated MLP 8960, 28 layers, vocab 151936
     h, a, kv, f = 1536, 12 * 128, 2 * 128, 8960
     dense = 2 * h * (a + 2 * kv) + 2 * a * h + 2 * h * f * 2 + 2 * f * h
@@ -258,3 +268,45 @@ def test_token_cap_keeps_ranks_within_the_micro_batch_budget() -> None:
     assert worst[cap] < worst[None], worst
     with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int, got 0"):
         plan_dynamic_cp([5], dp_cp_size=2, max_seqlen_per_dp_cp_rank=8, max_tokens_per_rank=0)
+
+
+QWEN15B = {
+    "hidden_size": 1536, "ffn_hidden_size": 8960, "gated_linear_unit": True, "num_attention_heads": 12,
+    "num_query_groups": 2, "kv_channels": 128, "num_layers": 28, "vocab_size": 151936,
+}  # fmt: skip
+
+
+def test_a_short_micro_batch_runs_without_cp_and_leaves_ranks_idle() -> None:
+    """Two sequences of 96 tokens on 4 ranks: CP 2 would halve each rank's tokens (48 instead of 96) but
+    both are under the matmuls' roofline floor (GEMM_ROOFLINE_TOKENS), so it would gain nothing and add CP's
+    collectives; CP 1 with two idle ranks is the plan. Without the floor the cost model alone picks CP 2."""
+    shape = WorkloadModel.for_transformer(**QWEN15B)
+    kw = {"dp_cp_size": 4, "max_seqlen_per_dp_cp_rank": 256, "max_tokens_per_rank": 256}
+    plan = plan_dynamic_cp([96, 96], workload=shape, **kw)
+    assert (plan.cp_size, plan.idle_groups) == (1, (2, 3))
+    no_floor = WorkloadModel.for_transformer(**QWEN15B, min_rank_tokens=0)
+    assert plan_dynamic_cp([96, 96], workload=no_floor, **kw).cp_size == 2
+    # once a rank's share is well above the floor, splitting pays again: two of 2000 tokens on 4 ranks
+    wide = {**kw, "max_seqlen_per_dp_cp_rank": 2048, "max_tokens_per_rank": 2048}
+    assert plan_dynamic_cp([2000, 2000], workload=shape, **wide).cp_size == 2
+
+
+def test_a_larger_cp_group_when_the_sequences_do_not_pack_into_the_memory_budget() -> None:
+    """Ten sequences of 96 tokens, 256 tokens per rank on 4 ranks (the micro-batch was cut at 4 x 256): at
+    CP 1 only two fit a rank (a third would make 288 > 256), at CP 2 five fit a group of two (480 <= 512).
+    The budget is a hard limit, so CP 2, whatever the balance says; a static size never grows."""
+    shape = WorkloadModel.for_transformer(**QWEN15B)
+    lens = [96] * 10
+    plan = plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=256, max_tokens_per_rank=256, workload=shape)
+    assert plan.cp_size == 2
+    assert all(sum(lens[i] for i in a) <= 256 * 2 for a in plan.assignments)
+    # eight of them fit two per rank: CP 1 (192 tokens per rank, under the floor: CP 2 gains nothing)
+    kw = {"dp_cp_size": 4, "max_seqlen_per_dp_cp_rank": 256, "max_tokens_per_rank": 256, "workload": shape}
+    assert plan_dynamic_cp([96] * 8, **kw).cp_size == 1
+    static = plan_dynamic_cp(lens, dp_cp_size=4, static_cp_size=1, max_tokens_per_rank=256, workload=shape)
+    assert static.cp_size == 1
+
+
+def test_workload_model_rejects_a_negative_floor() -> None:
+    with pytest.raises(ValueError, match="WorkloadModel.min_rank_tokens must be an int >= 0, got -1"):
+        WorkloadModel(min_rank_tokens=-1)

@@ -13,6 +13,7 @@ from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.layout import thd_packed_seq_params
 from verl_dyncp.planner import (
     DEFAULT_LARGER_CP_MIN_GAIN,
+    GEMM_ROOFLINE_TOKENS,
     MEASURED_ATTENTION_COST_FACTOR,
     DynamicCPMicroBatch,
     DynamicCPPlan,
@@ -61,6 +62,7 @@ __all__ = [  # the names imported above, then every lazy name
     "THDPackedMeta",
     "WorkloadModel",
     "DEFAULT_LARGER_CP_MIN_GAIN",
+    "GEMM_ROOFLINE_TOKENS",
     "MEASURED_ATTENTION_COST_FACTOR",
     "attach_cp_context",
     "build_thd_meta",

@@ -1,7 +1,7 @@
 """The CP size of a micro-batch and which sequences each CP group runs, from the sequence lengths alone.
 
-The size starts at the smallest power-of-two group that holds the longest sequence and doubles while that
-balances the busiest rank enough better; the sequences are spread over the groups by :mod:`verl_dyncp.balance`.
+The size starts at the smallest power-of-two group that holds the longest sequence, doubles while a group
+overflows the micro-batch's memory budget, then doubles while that balances the busiest rank enough better; the sequences are spread over the groups by :mod:`verl_dyncp.balance`.
 The package README gives the rules (determinism, idle groups, loss).
 """
 
@@ -139,8 +139,9 @@ def plan_dynamic_cp(
 ) -> DynamicCPPlan:
     """The plan for one micro-batch: dynamic ``k``, or ``static_cp_size``.
 
-    Dynamic ``k`` starts at the smallest group that holds the longest sequence (:func:`dynamic_cp_size`)
-    and doubles while that lowers the busiest rank's modelled load by at least ``larger_cp_min_gain``
+    Dynamic ``k`` starts at the smallest group that holds the longest sequence (:func:`dynamic_cp_size`),
+    doubles while a group holds more than ``max_tokens_per_rank`` per rank, then while that lowers the
+    busiest rank's modelled load (never below ``workload.rank_floor``) by at least ``larger_cp_min_gain``
     (a fraction; None keeps the smallest ``k``), see :func:`_balanced_cp_size`. ``refine=False`` keeps
     plain LPT (no move / swap search). Both switches exist for comparison (``benchmarks/dyncp_plan_sim_gpu.py``).
     ``max_tokens_per_rank``: the memory budget the micro-batch was cut for (tokens per rank); balancing
@@ -170,6 +171,7 @@ def plan_dynamic_cp(
         refine=refine,
         tokens=lens,
         cap=cap,
+        floor=model.rank_floor,
     )
     return DynamicCPPlan(
         seq_lens=lens,
@@ -216,38 +218,56 @@ def _balanced_cp_size(
     refine: bool,
     tokens: Sequence[int],
     cap: int | None,
+    floor: int = 0,
 ) -> tuple[int, tuple[list[list[int]], list[int]]]:
     """The CP size for a micro-batch and its groups' assignment (returned so the caller does not compute it
-    again): ``smallest`` (the longest sequence's need), doubled while the busiest rank's modelled load
-    ``max(group load) / k`` drops by at least ``min_gain`` of the current choice's.
+    again). Three rules, in this order:
 
-    Why: the smallest size that holds the longest sequence is not always the fastest. When one sequence
-    costs more than a rank's fair share (few sequences, or one long one among short ones), groups of that
-    size cannot balance: the rank holding it runs while the others wait. A group twice as large splits it
-    (zigzag, evenly). Comparing exact fractions of integer loads keeps every rank's choice identical.
-    No size can put the busiest rank below the mean ``sum(costs) / dp_cp_size``, so the search stops as
-    soon as the current choice is within the gain of it (the common case: one size tried).
+    1. Need: ``smallest``, the smallest size that holds the longest sequence.
+    2. Memory (dynamic sizes only, ``min_gain`` not None, ``cap`` set): doubled while some group holds more
+       than ``cap`` tokens per rank and a larger size exists. ``cap`` is the memory budget the micro-batch
+       was cut for; sequences of up to a rank's budget do not always pack into budget-sized bins (three of
+       96 tokens in 256), while twice the ranks pool their room.
+    3. Balance: doubled while the busiest rank's modelled load ``max(max(group load) / k, floor)`` drops by
+       at least ``min_gain`` of the current choice's.
+
+    Why balance: the smallest size that holds the longest sequence is not always the fastest. When one
+    sequence costs more than a rank's fair share (few sequences, or one long one among short ones), groups
+    of that size cannot balance: the rank holding it runs while the others wait. A group twice as large
+    splits it (zigzag, evenly). Why the floor (:attr:`WorkloadModel.rank_floor`): a rank holding few tokens
+    takes as long as one at the floor, so a short micro-batch (every rank under the floor) keeps its small
+    size and leaves ranks idle rather than pay CP's collectives for nothing. Comparing exact fractions of
+    integer loads keeps every rank's choice identical. No size can put the busiest rank below
+    ``max(sum(costs) / dp_cp_size, floor)``, so the search stops as soon as the current choice is within
+    the gain of it (the common case: one size tried).
     """
 
     def assign(k: int) -> tuple[list[list[int]], list[int]]:
         limit = None if cap is None else cap * k
         return balance_groups(costs, num_groups=dp_cp_size // k, tokens=tokens, limit=limit, refine=refine)
 
+    def over_budget(k: int, members: list[list[int]]) -> bool:
+        return cap is not None and any(sum(tokens[i] for i in m) > cap * k for m in members)
+
     if min_gain is not None and not 0 <= min_gain < 1:
         raise ValueError(f"larger_cp_min_gain must be in [0, 1) or None, got {min_gain!r}")
+    largest = _largest_pow2_divisor(dp_cp_size)
     best_k, best_assigned = smallest, assign(smallest)
     if min_gain is None:
         return best_k, best_assigned
+    while best_k < largest and over_budget(best_k, best_assigned[0]):
+        best_k *= 2
+        best_assigned = assign(best_k)
     keep = 1 - Fraction(str(min_gain))
-    mean = Fraction(sum(costs), dp_cp_size)
-    best = Fraction(max(best_assigned[1]), smallest)
-    k = smallest * 2
-    while k <= _largest_pow2_divisor(dp_cp_size):
-        if best * keep < mean:
-            break  # no larger size can gain min_gain: every busiest rank carries at least the mean
+    bound = max(Fraction(sum(costs), dp_cp_size), Fraction(floor))
+    best = max(Fraction(max(best_assigned[1]), best_k), Fraction(floor))
+    k = best_k * 2
+    while k <= largest:
+        if best * keep < bound:
+            break  # no larger size can gain min_gain: every busiest rank carries at least the bound
         assigned = assign(k)
-        peak = Fraction(max(assigned[1]), k)
-        if peak <= best * keep:
+        peak = max(Fraction(max(assigned[1]), k), Fraction(floor))
+        if peak <= best * keep and not over_budget(k, assigned[0]):
             best_k, best_assigned, best = k, assigned, peak
         k *= 2
     return best_k, best_assigned

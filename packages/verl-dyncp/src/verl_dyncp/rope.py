@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from verl_dyncp.fused_rope import fused_rope, fused_rope_applies
+from verl_mcore_utils.transfer import to_device_async
 
 __all__ = ["apply_rope", "apply_rope_tables", "rope_inv_freq", "rope_tables"]
 
@@ -69,19 +70,12 @@ def rope_tables(
     return torch.cos(emb).to(dtype), torch.sin(emb).to(dtype)
 
 
-_INV_FREQ_ON_DEVICE: dict[tuple[tuple[float, ...], str], torch.Tensor] = {}
-
-
 def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """float32 ``inv_freq`` on ``device``, copied once per device (not once per micro-batch: a host copy to
-    the GPU waits for the GPU's queue to drain)."""
-    if inv_freq.device == device:
-        return inv_freq.to(torch.float32)
-    key = (tuple(inv_freq.tolist()), str(device))
-    cached = _INV_FREQ_ON_DEVICE.get(key)
-    if cached is None:
-        cached = _INV_FREQ_ON_DEVICE[key] = inv_freq.to(device=device, dtype=torch.float32)
-    return cached
+    """float32 ``inv_freq`` on ``device``, copied without waiting for the GPU's queue (a plain host copy to the
+    GPU would). Copied per call, once per micro-batch (the tables are cached on the layout), and owned by
+    nobody else: a process-wide cache of it outlived every engine (512 bytes per device)."""
+    inv = inv_freq.to(torch.float32)
+    return inv if inv.device == device else to_device_async(inv, device)
 
 
 def apply_rope_tables(
