@@ -6,8 +6,9 @@
 A results file nobody cites is a number nobody can trace to a claim, or a claim's record that the doc no
 longer points to; either the doc names it or it is deleted (git keeps it). A file counts as named when its
 path relative to benchmarks/results/ appears in the doc as a whole path (with or without a leading
-``results/`` or ``benchmarks/results/``), not as part of a longer file name. Exits 1 listing the files the
-doc does not name.
+``results/`` or ``benchmarks/results/``), not as part of a longer file name, or when a folder above it is named
+with its trailing slash (``gpu_suite/h200x4/``: a run's logs, junit and records cited as one). Exits 1 listing
+the files the doc does not name.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ def is_named(name: str, doc: str) -> bool:
 def unnamed(*, results: Path = RESULTS, doc: Path = DOC) -> list[str]:
     """The results files that the doc does not name."""
     text = doc.read_text(encoding="utf-8")
-    return [name for name in result_files(results) if not is_named(name, text)]
+    return [name for name in result_files(results) if not (is_named(name, text) or _folder_named(name, text))]
+
+
+def _folder_named(name: str, doc: str) -> bool:
+    parts = name.split("/")[:-1]
+    folders = ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
+    return any(re.search(rf"(?<![\w.-]){re.escape(f)}(?![\w.-])", doc) for f in folders)
 
 
 def main() -> int:

@@ -143,8 +143,8 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "CLI start-up output", ("test_cli_output",)),
     (
         "verl-engine",
-        "packaging rules, structure, benchmark records, release tooling (all packages)",
-        ("test_packaging", "test_structure", "test_benchmark_results", "test_release_*"),
+        "packaging rules, structure, benchmark records, GPU suite, release tooling (all packages)",
+        ("test_packaging", "test_structure", "test_benchmark_results", "test_gpu_suite", "test_release_*"),
     ),
 )
 OUTCOMES = ("passed", "failed", "skipped")

@@ -27,6 +27,11 @@ def test_a_name_counts_only_as_a_whole_file_name(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("Raw: `benchmarks/results/run_repeat.json`, results/logs/a.log. The b.txt.gz archive.\n")
     assert cbr.unnamed(results=results, doc=doc) == ["b.txt", "run.json"]
+    (results / "suite" / "x4").mkdir(parents=True)
+    (results / "suite" / "x4" / "one.log").write_text("")
+    assert "suite/x4/one.log" in cbr.unnamed(results=results, doc=doc)
+    doc.write_text(doc.read_text() + "The suite's files: `benchmarks/results/suite/x4/`.\n")
+    assert "suite/x4/one.log" not in cbr.unnamed(results=results, doc=doc)
 
 
 def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> None:

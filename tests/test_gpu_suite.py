@@ -1,0 +1,56 @@
+"""scripts/gpu_suite.py: every GPU test is in a chunk of the GPU count it needs; chunk selection and the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_suite  # noqa: E402
+
+
+def test_every_gpu_test_is_in_a_chunk_of_its_gpu_count() -> None:
+    inventory = gpu_suite.gpu_inventory()
+    # the collection saw the multi-GPU tests with their counts (the conftest's num_gpus marker)
+    assert inventory["tests/test_gpu_engine_packed.py"] == [1, 2, 4]
+    assert inventory["tests/test_gpu_mfsdp_lifecycle.py"] == [2]
+    assert gpu_suite.uncovered(inventory) == []
+    assert gpu_suite.uncovered({"tests/test_new_gpu.py": [1, 4]}) == [
+        "tests/test_new_gpu.py (1 GPUs)",
+        "tests/test_new_gpu.py (4 GPUs)",
+    ]
+
+
+def test_a_machine_runs_the_chunks_its_gpu_count_allows() -> None:
+    assert {c.gpus for c in gpu_suite.chunks_for(1)} == {1}
+    assert {c.gpus for c in gpu_suite.chunks_for(4)} == {1, 2, 4}
+    assert [c.name for c in gpu_suite.select("mfsdp2,engine1", gpus=2)] == ["mfsdp2", "engine1"]
+    with pytest.raises(gpu_suite.SuiteError, match="chunk 'packed4' needs 4 GPUs, this machine has 2"):
+        gpu_suite.select("packed4", gpus=2)
+    with pytest.raises(gpu_suite.SuiteError, match="unknown chunk 'nope'"):
+        gpu_suite.select("nope", gpus=4)
+    assert gpu_suite.gpu_tag({"gpu": "NVIDIA H200", "gpus": 4}) == "h200x4"
+
+
+def _record(folder: Path, name: str, *, gpus: int, green: bool, failed: int = 0) -> None:
+    counts = {"passed": 3, "failed": failed, "skipped": 0}
+    record = {"chunk": name, "machine": {"gpus": gpus}, "green": green, "timed_out": False, "counts": counts,
+              "seconds": 1.0, "commit": "abc"}  # fmt: skip
+    (folder / f"{name}.json").write_text(json.dumps(record))
+
+
+def test_the_report_is_green_only_when_every_chunk_of_the_machine_ran_green(tmp_path: Path) -> None:
+    for chunk in gpu_suite.chunks_for(2):
+        _record(tmp_path, chunk.name, gpus=2, green=True)
+    assert gpu_suite.report(tmp_path) == 0
+    _record(tmp_path, "mfsdp2", gpus=2, green=False, failed=1)
+    assert gpu_suite.report(tmp_path) == 1
+    (tmp_path / "mfsdp2.json").unlink()
+    assert gpu_suite.report(tmp_path) == 1  # a chunk not run is not green
+    with pytest.raises(gpu_suite.SuiteError, match="no chunk records"):
+        gpu_suite.report(tmp_path / "empty")
