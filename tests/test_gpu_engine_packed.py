@@ -43,7 +43,9 @@ DYN4 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=256"]  # k: 4 for 800 / 1000, 
 # 48 at CP 2, both under the matmuls' roofline floor (GEMM_ROOFLINE_TOKENS): CP 1, two ranks idle, no CP
 # collectives. Its first micro-batch (10 x 96 tokens) gets CP 2 because three of 96 tokens overflow a rank's
 # 256-token budget and two ranks pool their room; 800 / 1000 tokens need CP 4.
-DYN_PLANS = {2: [[(2,), (1,)], [(1,), (1,)], [(2,)]], 4: [[(4,), (2,)], [(2,), (1,)], [(4,)]]}
+# (The small preset's workload model: linear 939 per token, so the 300 / 512 / 128 / 64 micro-batch balances
+# better split: CP 2 at 2 GPUs, CP 4 at 4.)
+DYN_PLANS = {2: [[(2,), (2,)], [(1,), (1,)], [(2,)]], 4: [[(4,), (4,)], [(2,), (1,)], [(4,)]]}
 BUDGET = 512  # micro-batch token budget per rank for static layouts
 TE = ["megatron.packed_attention_backend=te"]
 LAYOUT_IDS = ["static2-w2", "dynamic-w2", "static4-w4", "static2-w4", "dynamic-w4"]
