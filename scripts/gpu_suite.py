@@ -16,8 +16,9 @@ Results go to ``benchmarks/results/gpu_suite/<gpu>x<count>/`` (``scripts/compat_
 the compatibility matrix). Standard library only: it runs on the device machine with ``python3``.
 
     # on the device machine (wheelhouse/ carried), two commands on a 4-GPU machine:
-    python3 scripts/gpu_suite.py run --install wheelhouse --out $OUT/h200x4 --commit SHA --chunks packed4,engine2
-    python3 scripts/gpu_suite.py run --install wheelhouse --out $OUT/h200x4 --commit SHA --chunks rest
+    python3 scripts/gpu_suite.py run --install wheelhouse --out /tmp/s --commit SHA --chunks packed4,engine2
+    python3 scripts/gpu_suite.py run --install wheelhouse --out /tmp/s --commit SHA --chunks construct2,fsdp2,...
+    tar czf $OUT/suite.tgz -C /tmp s   # the device returns few files: one archive
     python3 scripts/gpu_suite.py report benchmarks/results/gpu_suite/h200x4
     python3 scripts/gpu_suite.py check
 """
@@ -62,7 +63,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_engine_no_host_sync.py",
             "tests/test_engine_optimizer.py",
         ),
-        200,
+        170,
     ),
     Chunk(
         "state1",
@@ -73,7 +74,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_offload.py",
             "tests/test_gpu_engine_lifetime.py",
         ),
-        200,
+        170,
     ),
     Chunk(
         "packages1",
@@ -90,23 +91,22 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_wgrad_fusion.py",
             "tests/test_gpu_mfsdp.py",
         ),
-        170,
+        130,
     ),
-    Chunk("mfsdp2", 2, ("tests/test_gpu_mfsdp_lifecycle.py",), 240),
-    Chunk("engine2", 2, ("tests/test_gpu_engine.py", "tests/test_gpu_engine_packed.py"), 300),
+    Chunk("lifecycle2", 2, ("tests/test_gpu_mfsdp_lifecycle.py",), 130),
+    Chunk("engine2", 2, ("tests/test_gpu_engine.py", "tests/test_gpu_engine_packed.py"), 150),
+    Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
-        "paths2",
+        "fsdp2",
         2,
         (
-            "tests/test_gpu_construction.py",
-            "tests/test_gpu_offload.py",
             "tests/test_gpu_mfsdp.py",
             "packages/verl-dyncp/tests/test_attention.py",
             "packages/verl-mcore-utils/tests/test_bridges.py",
         ),
-        300,
+        200,
     ),
-    Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 360),
+    Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 210),
 )
 _GPU_MARK = re.compile(r"pytest\.mark\.(gpu|num_gpus)\b")
 
@@ -265,7 +265,7 @@ def _start(chunk: Chunk, ids: list[int], *, out: Path, env: dict[str, str]) -> s
     child = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids)),
              "VERL_TEST_GPUS": str(chunk.gpus), "PYTHONUNBUFFERED": "1"}  # fmt: skip
     log = open(out / f"{chunk.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", "--durations=20",
            f"--junitxml={out / f'{chunk.name}.xml'}", *chunk.paths]  # fmt: skip
     print(f"{chunk.name}: started on GPU {','.join(map(str, ids))}", flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=child, stdout=log, stderr=subprocess.STDOUT)

@@ -29,7 +29,7 @@ def test_every_gpu_test_is_in_a_chunk_of_its_gpu_count() -> None:
 def test_a_machine_runs_the_chunks_its_gpu_count_allows() -> None:
     assert {c.gpus for c in gpu_suite.chunks_for(1)} == {1}
     assert {c.gpus for c in gpu_suite.chunks_for(4)} == {1, 2, 4}
-    assert [c.name for c in gpu_suite.select("mfsdp2,engine1", gpus=2)] == ["mfsdp2", "engine1"]
+    assert [c.name for c in gpu_suite.select("lifecycle2,engine1", gpus=2)] == ["lifecycle2", "engine1"]
     with pytest.raises(gpu_suite.SuiteError, match="chunk 'packed4' needs 4 GPUs, this machine has 2"):
         gpu_suite.select("packed4", gpus=2)
     with pytest.raises(gpu_suite.SuiteError, match="unknown chunk 'nope'"):
@@ -48,9 +48,9 @@ def test_the_report_is_green_only_when_every_chunk_of_the_machine_ran_green(tmp_
     for chunk in gpu_suite.chunks_for(2):
         _record(tmp_path, chunk.name, gpus=2, green=True)
     assert gpu_suite.report(tmp_path) == 0
-    _record(tmp_path, "mfsdp2", gpus=2, green=False, failed=1)
+    _record(tmp_path, "lifecycle2", gpus=2, green=False, failed=1)
     assert gpu_suite.report(tmp_path) == 1
-    (tmp_path / "mfsdp2.json").unlink()
+    (tmp_path / "lifecycle2.json").unlink()
     assert gpu_suite.report(tmp_path) == 1  # a chunk not run is not green
     with pytest.raises(gpu_suite.SuiteError, match="no chunk records"):
         gpu_suite.report(tmp_path / "empty")
