@@ -14,6 +14,7 @@ committed page equals ``render``'s output, as ``verl-config generate --check`` d
         uv run python scripts/compat_matrix.py update --about "nox -s config tests, <machine>, <date>"
     python scripts/compat_matrix.py collect --about TEXT [--junit-dir .nox/junit] [--results FILE]
     python scripts/compat_matrix.py render [--results FILE] [--out FILE] [--check]
+    python scripts/compat_matrix.py gpu benchmarks/results/gpu_suite/h200x4 [...]   # GPU suite runs -> GPU rows
 
 Rows are package x feature; a feature is a group of test modules, named by the explicit mapping below
 (FEATURES). A test module the mapping does not know is an error naming it, so a new test file cannot vanish
@@ -238,6 +239,49 @@ def collect(junit_dir: Path, *, about: str) -> dict:
     return results
 
 
+def _group_of(case: ET.Element) -> str:
+    """The package a GPU junit <testcase> belongs to, from its dotted path (``packages.<name>.tests...``)."""
+    dotted = (case.get("classname") or case.get("name") or "").replace("/", ".")
+    parts = dotted.split(".")
+    if len(parts) > 2 and parts[0] == "packages" and parts[1] in PACKAGES:
+        return parts[1]
+    return CROSS
+
+
+def collect_gpu(folder: Path) -> tuple[str, dict]:
+    """One GPU suite run (``scripts/gpu_suite.py`` records and junit files in ``folder``): its column name
+    (the folder's name, e.g. ``h200x4``) and its summary (machine, versions, commits, counts per module)."""
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    if not records:
+        raise CompatMatrixError(f"{folder}: no GPU suite records (<chunk>.json); run scripts/gpu_suite.py first")
+    machine = records[0]["machine"]
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for xml in sorted(folder.glob("*.xml")):
+        try:
+            root = ET.parse(xml).getroot()
+        except ET.ParseError as err:
+            raise CompatMatrixError(f"{xml}: not valid XML ({err}); rerun the chunk") from None
+        for case in root.iter("testcase"):
+            outcome = "passed"
+            if case.find("failure") is not None or case.find("error") is not None:
+                outcome = "failed"
+            elif case.find("skipped") is not None:
+                outcome = "skipped"
+            per = counts.setdefault(_group_of(case), {}).setdefault(_module_of(case), dict.fromkeys(OUTCOMES, 0))
+            per[outcome] += 1
+    entry = {
+        "gpu": machine.get("gpu"),
+        "gpus": machine.get("gpus"),
+        "megatron_core": machine.get("megatron_core"),
+        "transformer_engine": machine.get("transformer_engine"),
+        "commits": sorted({r["commit"] for r in records}),
+        "chunks": {r["chunk"]: ("green" if r["green"] else "timed out" if r["timed_out"] else "failed")
+                   for r in records},  # fmt: skip
+        "counts": counts,
+    }
+    return folder.name, entry
+
+
 def load_results(path: Path) -> dict:
     try:
         results = json.loads(path.read_text())
@@ -276,6 +320,48 @@ def rows(results: dict) -> dict[tuple[str, str], dict[str, dict[str, int]]]:
                 for outcome in OUTCOMES:
                     cell[outcome] += int(counts.get(outcome, 0))
     return table
+
+
+def gpu_rows(results: dict) -> dict[tuple[str, str], dict[str, dict[str, int]]]:
+    """(package, feature) -> GPU run -> outcome -> count, for the rows with any GPU result."""
+    table: dict[tuple[str, str], dict[str, dict[str, int]]] = {}
+    for column, run in results.get("gpu_runs", {}).items():
+        for group, modules in run["counts"].items():
+            for module, counts in modules.items():
+                row = table.setdefault(_feature_of(group, module), {})
+                cell = row.setdefault(column, dict.fromkeys(OUTCOMES, 0))
+                for outcome in OUTCOMES:
+                    cell[outcome] += int(counts.get(outcome, 0))
+    order = [(p, f) for p, f, _ in FEATURES]
+    return {key: table[key] for key in order if key in table}
+
+
+def _gpu_section(results: dict) -> list[str]:
+    runs = results.get("gpu_runs", {})
+    if not runs:
+        return []
+    columns = sorted(runs, key=lambda c: (runs[c]["gpus"], c))
+    lines = [
+        "## GPU runs",
+        "",
+        "The GPU suite (`scripts/gpu_suite.py`: every test marked `gpu`, in chunks of the GPU count their tests"
+        " need) on lent machines. Tests that need Transformer Engine or mbridge skip where those are not"
+        " installed (the device machines have neither).",
+        "",
+        "| run | GPU | count | megatron-core | Transformer Engine | commit(s) | chunks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in columns:
+        r = runs[c]
+        chunks = ", ".join(f"{n} {state}" for n, state in sorted(r["chunks"].items()))
+        lines.append(
+            f"| `{c}` | {r['gpu']} | {r['gpus']} | {r['megatron_core']} | {r['transformer_engine'] or 'no'}"
+            f" | {', '.join(r['commits'])} | {chunks} |"
+        )
+    lines += ["", "| package | feature | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for (pkg, feature), cells in gpu_rows(results).items():
+        lines.append(f"| {pkg} | {feature} | " + " | ".join(_cell(cells.get(c)) for c in columns) + " |")
+    return [*lines, ""]
 
 
 def _cell(counts: dict[str, int] | None) -> str:
@@ -332,6 +418,7 @@ def render(results: dict, *, versions: list[str]) -> str:
             if pkg == package:
                 lines.append(f"| {feature} | " + " | ".join(_cell(cells.get(c)) for c in columns) + " |")
         lines.append("")
+    lines += _gpu_section(results)
     lines += ["## Test modules per feature", "", "| package | feature | test modules |", "|---|---|---|"]
     for pkg, feature, patterns in FEATURES:
         lines.append(f"| {pkg} | {feature} | {', '.join(f'`{p}`' for p in patterns)} |")
@@ -368,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         ("collect", "junit XML files -> the committed summary"),
         ("render", "the committed summary -> docs/compatibility.md"),
         ("update", "collect, then render"),
+        ("gpu", "add GPU suite runs (scripts/gpu_suite.py folders) to the summary, then render"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument(
@@ -381,17 +469,27 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--about", required=True, help="what run the files came from: command, machine, date"
             )
-        if name in ("render", "update"):
+        if name in ("render", "update", "gpu"):
             p.add_argument("--out", type=Path, default=PAGE, help=f"page (default {PAGE.relative_to(ROOT)})")
+        if name == "gpu":
+            p.add_argument("folders", type=Path, nargs="+", help="benchmarks/results/gpu_suite/<gpu>x<count>")
         if name == "render":
             p.add_argument("--check", action="store_true", help="fail if the page differs from the summary's")
     args = parser.parse_args(argv)
     try:
         if args.command in ("collect", "update"):
-            _write_or_check(
-                args.results, dump_results(collect(args.junit_dir, about=args.about)), check=False
-            )
-        if args.command in ("render", "update"):
+            results = collect(args.junit_dir, about=args.about)
+            if args.results.exists():  # the GPU runs come from another command: keep them
+                results["gpu_runs"] = load_results(args.results).get("gpu_runs", {})
+            _write_or_check(args.results, dump_results(results), check=False)
+        if args.command == "gpu":
+            results = load_results(args.results)
+            for folder in args.folders:
+                column, entry = collect_gpu(folder)
+                results.setdefault("gpu_runs", {})[column] = entry
+            gpu_rows(results)  # a module the feature mapping does not know is an error now
+            _write_or_check(args.results, dump_results(results), check=False)
+        if args.command in ("render", "update", "gpu"):
             text = render(load_results(args.results), versions=mcore_versions())
             return _write_or_check(args.out, text, check=getattr(args, "check", False))
     except CompatMatrixError as err:

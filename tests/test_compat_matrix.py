@@ -126,3 +126,32 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
         cm.collect(junit_dir, about=" ")
     with pytest.raises(cm.CompatMatrixError, match="does not exist; make it with"):
         cm.load_results(tmp_path / "missing.json")
+
+
+def test_gpu_suite_runs_become_gpu_rows(tmp_path: Path) -> None:
+    """`compat_matrix.py gpu FOLDER` reads gpu_suite.py's records and junit: a column per machine, rows per
+    feature, the package told apart by the test's path; `collect` keeps the GPU runs."""
+    import json
+
+    run = tmp_path / "h100x2"
+    run.mkdir()
+    machine = {"gpu": "NVIDIA H100", "gpus": 2, "megatron_core": "0.19.2", "transformer_engine": None}
+    record = {"chunk": "fsdp2", "machine": machine, "commit": "abc1234", "green": False, "timed_out": False}
+    (run / "fsdp2.json").write_text(json.dumps(record))
+    (run / "fsdp2.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_gpu_mfsdp" name="test_a"/>'
+        '<testcase classname="tests.test_gpu_mfsdp" name="test_b"><failure message="x"/></testcase>'
+        '<testcase classname="packages.verl-dyncp.tests.test_attention" name="test_c"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    column, entry = cm.collect_gpu(run)
+    assert column == "h100x2" and entry["commits"] == ["abc1234"] and entry["chunks"] == {"fsdp2": "failed"}
+    results = {"format": cm.RESULTS_VERSION, "about": "x", "files": {}, "runs": {}, "gpu_runs": {column: entry}}
+    rows = cm.gpu_rows(results)
+    assert rows[("verl-mfsdp", "training, offload, export, checkpoints (GPU)")]["h100x2"]["failed"] == 1
+    assert rows[("verl-dyncp", "CP core attention, RoPE kernel")]["h100x2"]["skipped"] == 1
+    page = cm.render(results, versions=cm.mcore_versions())
+    assert "| `h100x2` | NVIDIA H100 | 2 | 0.19.2 | no | abc1234 | fsdp2 failed |" in page
+    with pytest.raises(cm.CompatMatrixError, match="no GPU suite records"):
+        cm.collect_gpu(tmp_path / "empty")
