@@ -210,7 +210,7 @@ def ref_policy_token(
         a = float(adv[i, t])
         return max(-a * s, -a * clip(s, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)) * weight(i, t)
 
-    return gspo, "seq-mean-token-mean"
+    return gspo, None  # verl 0.9.1 aggregates GSPO with the config's loss_agg_mode
 
 
 def ref_kl(lp: Scalar, ref: float, kind: str) -> Scalar:
@@ -368,16 +368,21 @@ def test_vanilla_clip_fractions_are_active_and_match() -> None:
     assert_close(mv(metrics, "actor/pg_clipfrac_lower"), lower)
 
 
-def test_gspo_ignores_loss_agg_mode() -> None:
+def test_gspo_follows_loss_agg_mode_and_sapo_does_not() -> None:
+    """verl 0.9.1: GSPO is aggregated with the config's loss_agg_mode (earlier verl forced seq-mean-token-mean,
+    a 5.5x different loss at the actor's default token-mean); SAPO still forces seq-mean-token-mean."""
     batch = make_batch(seed=4)
     out = {}
-    for mode in ("token-mean", "seq-mean-token-mean"):
-        cfg = actor_config(policy_loss=SimpleNamespace(loss_mode="gspo"), loss_agg_mode=mode)
-        model_output, data = actor_io(
-            batch, slice(None), log_probs=batch["log_probs"], entropy=batch["entropy"], **whole_counts(batch)
-        )
-        out[mode] = ppo_loss(config=cfg, model_output=model_output, data=data)[1]["actor/pg_loss"].value
-    assert out["token-mean"] == out["seq-mean-token-mean"]
+    for loss_mode in ("gspo", "sapo"):
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            cfg = actor_config(policy_loss=SimpleNamespace(loss_mode=loss_mode), loss_agg_mode=mode)
+            model_output, data = actor_io(
+                batch, slice(None), log_probs=batch["log_probs"], entropy=batch["entropy"], **whole_counts(batch)
+            )
+            pg = ppo_loss(config=cfg, model_output=model_output, data=data)[1]["actor/pg_loss"].value
+            out[loss_mode, mode] = float(pg)
+    assert out["gspo", "token-mean"] != pytest.approx(out["gspo", "seq-mean-token-mean"], rel=1e-3)
+    assert out["sapo", "token-mean"] == out["sapo", "seq-mean-token-mean"]
 
 
 def test_ppo_loss_with_verl_config_and_tensordict() -> None:

@@ -189,7 +189,8 @@ def gspo_policy_loss(
 
     The token ratio ``exp(logp - sg(logp) + sg(log s_i))`` has the value of the sequence ratio
     ``s_i = exp(mean_t(logp - old))`` but the gradient of the token's own log-prob. The log ratio is
-    clamped from above at 10 and not at +-20; aggregation ``seq-mean-token-mean``.
+    clamped from above at 10 and not at +-20. Aggregated with the config's ``loss_agg_mode``, as verl 0.9.1
+    does (the paper's ``seq-mean-token-mean`` is a choice of that key, not forced: verl before 0.9 forced it).
     """
     low, high = _clip_range(config, loss="gspo policy loss")
     log_ratio = log_prob - old_log_prob
@@ -199,9 +200,7 @@ def gspo_policy_loss(
     losses, clipped = _ppo_clip(
         torch.exp(torch.clamp(log_seq_ratio, max=_GSPO_LOG_RATIO_MAX)), advantages, low=low, high=high
     )
-    return PolicyTerms(
-        losses=losses, log_ratio=log_ratio, clipped=clipped, loss_agg_mode="seq-mean-token-mean"
-    )
+    return PolicyTerms(losses=losses, log_ratio=log_ratio, clipped=clipped)
 
 
 @register_policy_loss("gpg")
