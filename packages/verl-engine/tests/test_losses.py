@@ -35,7 +35,7 @@ from verl_engine.metrics import Metric, Reduction
 
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 DT = torch.float64
-POLICY_MODES = ("vanilla", "gspo", "gpg", "sapo")
+POLICY_MODES = ("vanilla", "gspo", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl")
 
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -186,6 +186,30 @@ def ref_policy_token(
         return vanilla, None
     if mode == "gpg":
         return (lambda i, t: -lp[i, t] * float(adv[i, t]) * weight(i, t)), None
+    if mode == "cispo":  # the clipped ratio is a constant (stopped gradient) times the log-prob
+
+        def cispo(i: int, t: int) -> Scalar:
+            r = float(ref_ratio(lp[i, t], float(old[i, t])))
+            c = min(max(r, 1 - cfg.clip_ratio_low), 1 + cfg.clip_ratio_high)
+            return -c * float(adv[i, t]) * lp[i, t] * weight(i, t)
+
+        return cispo, None
+    if mode in ("dppo_tv", "dppo_kl"):  # only tokens inside the probability trust region, ratio truncated at c
+
+        def dppo(i: int, t: int) -> Scalar:
+            a, lo = float(adv[i, t]), float(old[i, t])
+            p, p_old = math.exp(float(lp[i, t])), math.exp(lo)
+            if mode == "dppo_tv":
+                keep = p - p_old <= cfg.clip_ratio_high if a > 0 else p - p_old >= -cfg.clip_ratio_low
+            else:
+                # torch's log: NaN (never within the bound) where the batch's log-prob > 0 makes p > 1
+                q = torch.tensor((1 - p_old + 1e-8) / (1 - p + 1e-8), dtype=DT)
+                bkl = p_old * (lo - float(lp[i, t])) + (1 - p_old) * float(torch.log(q))
+                keep = (bkl <= cfg.clip_ratio_high or p <= p_old) if a > 0 else (bkl <= cfg.clip_ratio_low or p >= p_old)
+            truncated = min(float(ref_ratio(lp[i, t], lo)), cfg.clip_ratio_c)
+            return -a * truncated * lp[i, t] * float(keep) * weight(i, t)
+
+        return dppo, None
     if mode == "sapo":
 
         def sapo(i: int, t: int) -> Scalar:

@@ -22,6 +22,9 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLossFn",
     "PolicyTerms",
+    "cispo_policy_loss",
+    "dppo_kl_policy_loss",
+    "dppo_tv_policy_loss",
     "get_policy_loss_fn",
     "gpg_policy_loss",
     "gspo_policy_loss",
@@ -236,3 +239,75 @@ def sapo_policy_loss(
     )
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
     return PolicyTerms(losses=-gate * advantages, log_ratio=log_ratio, loss_agg_mode="seq-mean-token-mean")
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    *, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, config: Any, **_: Any
+) -> PolicyTerms:
+    """CISPO (https://arxiv.org/abs/2506.13585): ``-sg(clip(r)) * A * logp``, verl 0.9.1's formula.
+
+    Why: PPO's clip zeroes the gradient of clipped tokens, which are often the rare reasoning tokens; CISPO
+    clips the importance weight instead (stopped gradient) so every token keeps a policy-gradient term.
+    """
+    low, high = _clip_range(config, loss="cispo policy loss")
+    log_ratio = _log_ratio(log_prob=log_prob, old_log_prob=old_log_prob)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return PolicyTerms(
+        losses=-clipped_ratio.detach() * advantages * log_prob, log_ratio=log_ratio, clipped=ratio != clipped_ratio
+    )
+
+
+def _dppo_terms(
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    config: Any,
+    valid: Callable,
+    **_: Any,
+) -> PolicyTerms:
+    """DPPO's shared part (https://arxiv.org/abs/2602.04879): ``-A * sg(min(r, c)) * logp`` on the tokens
+    whose probability moved less than the divergence bound (``valid(p, p_old, logp, logp_old, low=, high=)``:
+    the masks for A > 0 and A <= 0), 0 elsewhere. ``c`` is ``clip_ratio_c`` (verl: 20 when the config has none)."""
+    name = "dppo policy loss"
+    low, high = _clip_range(config, loss=name)
+    clip_ratio_c = float(config_value(config, "clip_ratio_c", loss=name, default=20.0))
+    log_ratio = _log_ratio(log_prob=log_prob, old_log_prob=old_log_prob)
+    ratio = torch.exp(log_ratio)
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    positive, negative = valid(prob, old_prob, log_prob, old_log_prob, low=low, high=high)
+    keep = torch.where(advantages > 0, positive, negative).detach()
+    truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
+    return PolicyTerms(
+        losses=-advantages * truncated * log_prob * keep.to(log_prob.dtype),
+        log_ratio=log_ratio,
+        clipped=~keep,
+        clipped_lower=(ratio > clip_ratio_c) & keep,
+    )
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_policy_loss(**kwargs: Any) -> PolicyTerms:
+    """DPPO with the binary total-variation bound: a token counts while ``p - p_old <= clip_ratio_high`` (A > 0)
+    or ``p - p_old >= -clip_ratio_low`` (A <= 0), the trust region on probabilities rather than ratios."""
+
+    def valid(p: torch.Tensor, p_old: torch.Tensor, *_: torch.Tensor, low: float, high: float) -> tuple[Any, Any]:
+        return (p - p_old) <= high, (p - p_old) >= -low
+
+    return _dppo_terms(valid=valid, **kwargs)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_policy_loss(**kwargs: Any) -> PolicyTerms:
+    """DPPO with the binary KL bound: the KL between the Bernoulli(p_old) and Bernoulli(p) of the sampled token
+    must stay under ``clip_ratio_high`` / ``clip_ratio_low``, unless p moved against A's direction."""
+
+    def valid(
+        p: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor, logp_old: torch.Tensor, *, low: float, high: float
+    ) -> tuple[Any, Any]:
+        binary_kl = p_old * (logp_old - logp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        return (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old)
+
+    return _dppo_terms(valid=valid, **kwargs)
