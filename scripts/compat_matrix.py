@@ -92,7 +92,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mfsdp", "lifecycle API errors (CPU)", ("test_lifecycle_cpu",)),
     ("verl-mfsdp", "package installs alone", ("test_mfsdp_package",)),
     ("verl-mfsdp", "training, offload, export, checkpoints (GPU)", ("test_gpu_mfsdp*",)),
-    ("verl-engine", "RL losses, LR schedules", ("test_losses", "test_lr_schedule")),
+    (
+        "verl-engine",
+        "RL losses, LR schedules, settings refused at build",
+        ("test_losses", "test_lr_schedule", "test_refusals"),
+    ),
     (
         "verl-engine",
         "log-probs, entropy, fused LM head",
@@ -253,7 +257,9 @@ def collect_gpu(folder: Path) -> tuple[str, dict]:
     (the folder's name, e.g. ``h200x4``) and its summary (machine, versions, commits, counts per module)."""
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     if not records:
-        raise CompatMatrixError(f"{folder}: no GPU suite records (<chunk>.json); run scripts/gpu_suite.py first")
+        raise CompatMatrixError(
+            f"{folder}: no GPU suite records (<chunk>.json); run scripts/gpu_suite.py first"
+        )
     machine = records[0]["machine"]
     counts: dict[str, dict[str, dict[str, int]]] = {}
     for xml in sorted(folder.glob("*.xml")):
@@ -267,7 +273,9 @@ def collect_gpu(folder: Path) -> tuple[str, dict]:
                 outcome = "failed"
             elif case.find("skipped") is not None:
                 outcome = "skipped"
-            per = counts.setdefault(_group_of(case), {}).setdefault(_module_of(case), dict.fromkeys(OUTCOMES, 0))
+            per = counts.setdefault(_group_of(case), {}).setdefault(
+                _module_of(case), dict.fromkeys(OUTCOMES, 0)
+            )
             per[outcome] += 1
     entry = {
         "gpu": machine.get("gpu"),
@@ -275,8 +283,10 @@ def collect_gpu(folder: Path) -> tuple[str, dict]:
         "megatron_core": machine.get("megatron_core"),
         "transformer_engine": machine.get("transformer_engine"),
         "commits": sorted({r["commit"] for r in records}),
-        "chunks": {r["chunk"]: ("green" if r["green"] else "timed out" if r["timed_out"] else "failed")
-                   for r in records},  # fmt: skip
+        "chunks": {
+            r["chunk"]: ("green" if r["green"] else "timed out" if r["timed_out"] else "failed")
+            for r in records
+        },  # fmt: skip
         "counts": counts,
     }
     return folder.name, entry

@@ -160,7 +160,9 @@ def gpu_inventory(root: Path = ROOT) -> dict[str, list[int]]:
                *gpu_test_files(root)]  # fmt: skip
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not target.exists():
-            raise SuiteError(f"collecting the GPU tests failed (rc {done.returncode}):\n{done.stdout[-3000:]}")
+            raise SuiteError(
+                f"collecting the GPU tests failed (rc {done.returncode}):\n{done.stdout[-3000:]}"
+            )
         return json.loads(target.read_text())
 
 
@@ -264,7 +266,7 @@ def run(
 def _start(chunk: Chunk, ids: list[int], *, out: Path, env: dict[str, str]) -> subprocess.Popen:
     child = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids)),
              "VERL_TEST_GPUS": str(chunk.gpus), "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    log = open(out / f"{chunk.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
+    log = open(out / f"{chunk.name}.log", "w")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", "--durations=20",
            f"--junitxml={out / f'{chunk.name}.xml'}", *chunk.paths]  # fmt: skip
     print(f"{chunk.name}: started on GPU {','.join(map(str, ids))}", flush=True)
@@ -272,7 +274,15 @@ def _start(chunk: Chunk, ids: list[int], *, out: Path, env: dict[str, str]) -> s
 
 
 def _record(
-    chunk: Chunk, ids: list[int], *, out: Path, rc: int, seconds: float, timed_out: bool, commit: str, machine: dict
+    chunk: Chunk,
+    ids: list[int],
+    *,
+    out: Path,
+    rc: int,
+    seconds: float,
+    timed_out: bool,
+    commit: str,
+    machine: dict,
 ) -> int:
     xml = out / f"{chunk.name}.xml"
     counts = count_junit(xml) if xml.exists() and not timed_out else None
@@ -303,7 +313,9 @@ def report(folder: Path) -> int:
             continue
         state = "green" if r["green"] else ("timed out" if r["timed_out"] else "FAILED")
         bad += not r["green"]
-        print(f"{chunk.name} ({chunk.gpus} GPU): {state}, {r['counts']}, {r['seconds']} s, commit {r['commit']}")
+        print(
+            f"{chunk.name} ({chunk.gpus} GPU): {state}, {r['counts']}, {r['seconds']} s, commit {r['commit']}"
+        )
     return 1 if bad else 0
 
 
@@ -312,10 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run chunks on this machine's GPUs")
     p.add_argument("--out", type=Path, required=True, help="folder for the chunks' logs, junit and records")
-    p.add_argument("--chunks", help="comma-separated chunk names; 'rest' adds those without a record in --out")
-    p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", "unknown"), help="the commit under test")
+    p.add_argument(
+        "--chunks", help="comma-separated chunk names; 'rest' adds those without a record in --out"
+    )
+    p.add_argument(
+        "--commit", default=os.environ.get("BENCH_COMMIT", "unknown"), help="the commit under test"
+    )
     p.add_argument("--budget", type=float, default=560.0, help="seconds before running chunks are stopped")
-    p.add_argument("--install", type=Path, help="install this wheelhouse into /tmp/site first (device machine)")
+    p.add_argument(
+        "--install", type=Path, help="install this wheelhouse into /tmp/site first (device machine)"
+    )
     r = sub.add_parser("report", help="the outcome of every chunk in a results folder")
     r.add_argument("folder", type=Path)
     sub.add_parser("check", help="fail if a test file with GPU tests is in no chunk")

@@ -147,7 +147,13 @@ def test_gpu_suite_runs_become_gpu_rows(tmp_path: Path) -> None:
     )
     column, entry = cm.collect_gpu(run)
     assert column == "h100x2" and entry["commits"] == ["abc1234"] and entry["chunks"] == {"fsdp2": "failed"}
-    results = {"format": cm.RESULTS_VERSION, "about": "x", "files": {}, "runs": {}, "gpu_runs": {column: entry}}
+    results = {
+        "format": cm.RESULTS_VERSION,
+        "about": "x",
+        "files": {},
+        "runs": {},
+        "gpu_runs": {column: entry},
+    }
     rows = cm.gpu_rows(results)
     assert rows[("verl-mfsdp", "training, offload, export, checkpoints (GPU)")]["h100x2"]["failed"] == 1
     assert rows[("verl-dyncp", "CP core attention, RoPE kernel")]["h100x2"]["skipped"] == 1

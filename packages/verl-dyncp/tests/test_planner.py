@@ -297,7 +297,9 @@ def test_a_larger_cp_group_when_the_sequences_do_not_pack_into_the_memory_budget
     The budget is a hard limit, so CP 2, whatever the balance says; a static size never grows."""
     shape = WorkloadModel.for_transformer(**QWEN15B)
     lens = [96] * 10
-    plan = plan_dynamic_cp(lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=256, max_tokens_per_rank=256, workload=shape)
+    plan = plan_dynamic_cp(
+        lens, dp_cp_size=4, max_seqlen_per_dp_cp_rank=256, max_tokens_per_rank=256, workload=shape
+    )
     assert plan.cp_size == 2
     assert all(sum(lens[i] for i in a) <= 256 * 2 for a in plan.assignments)
     # eight of them fit two per rank: CP 1 (192 tokens per rank, under the floor: CP 2 gains nothing)

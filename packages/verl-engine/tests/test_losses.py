@@ -35,7 +35,7 @@ from verl_engine.metrics import Metric, Reduction
 
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 DT = torch.float64
-POLICY_MODES = ("vanilla", "gspo", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl")
+POLICY_MODES = ("vanilla", "gspo", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "geo_mean")
 
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -194,7 +194,28 @@ def ref_policy_token(
             return -c * float(adv[i, t]) * lp[i, t] * weight(i, t)
 
         return cispo, None
-    if mode in ("dppo_tv", "dppo_kl"):  # only tokens inside the probability trust region, ratio truncated at c
+    if mode == "geo_mean":  # one loss per sequence: -mean(A) * exp(mean of the sign-aware clipped log ratios)
+
+        def geo_mean(i: int, _t: int) -> Scalar:
+            toks = [t for t in range(mask.shape[1]) if mask[i, t]]
+            chosen: Scalar = 0.0
+            for t in toks:
+                d, a = lp[i, t] - float(old[i, t]), float(adv[i, t])
+                sign = (a > 0) - (a < 0)
+                chosen = chosen + sign * min(
+                    sign * d, sign * clip(d, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+                )
+            n = max(len(toks), 1)
+            loss = -sum(float(adv[i, t]) for t in toks) / n * torch.exp(torch.as_tensor(chosen / n, dtype=DT))
+            if weights:  # the sequence's weight: the geometric mean of its tokens'
+                loss = loss * math.exp(sum(math.log(float(w[i, t]) + 1e-10) for t in toks) / n)
+            return loss
+
+        return geo_mean, "seq-mean-token-mean"
+    if mode in (
+        "dppo_tv",
+        "dppo_kl",
+    ):  # only tokens inside the probability trust region, ratio truncated at c
 
         def dppo(i: int, t: int) -> Scalar:
             a, lo = float(adv[i, t]), float(old[i, t])
@@ -205,7 +226,11 @@ def ref_policy_token(
                 # torch's log: NaN (never within the bound) where the batch's log-prob > 0 makes p > 1
                 q = torch.tensor((1 - p_old + 1e-8) / (1 - p + 1e-8), dtype=DT)
                 bkl = p_old * (lo - float(lp[i, t])) + (1 - p_old) * float(torch.log(q))
-                keep = (bkl <= cfg.clip_ratio_high or p <= p_old) if a > 0 else (bkl <= cfg.clip_ratio_low or p >= p_old)
+                keep = (
+                    (bkl <= cfg.clip_ratio_high or p <= p_old)
+                    if a > 0
+                    else (bkl <= cfg.clip_ratio_low or p >= p_old)
+                )
             truncated = min(float(ref_ratio(lp[i, t], lo)), cfg.clip_ratio_c)
             return -a * truncated * lp[i, t] * float(keep) * weight(i, t)
 
@@ -353,7 +378,7 @@ def test_ppo_loss_matches_reference(loss_mode: str, agg_mode: str) -> None:
     for name in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_coef"):
         assert metrics[name].reduction is Reduction.MEAN
     tokens = [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
-    bound = math.inf if loss_mode == "gspo" else 20.0  # verl clamps the log ratio except in GSPO
+    bound = math.inf if loss_mode in ("gspo", "geo_mean") else 20.0  # verl clamps it except in GSPO and GMPO
     log_ratios = [float(batch["log_probs"][i, t] - batch["old_log_probs"][i, t]) for i, t in tokens]
     ppo_kl = -sum(clip(d, -bound, bound) for d in log_ratios) / len(tokens)
     assert_close(mv(metrics, "actor/ppo_kl"), ppo_kl)
@@ -401,7 +426,11 @@ def test_gspo_follows_loss_agg_mode_and_sapo_does_not() -> None:
         for mode in ("token-mean", "seq-mean-token-mean"):
             cfg = actor_config(policy_loss=SimpleNamespace(loss_mode=loss_mode), loss_agg_mode=mode)
             model_output, data = actor_io(
-                batch, slice(None), log_probs=batch["log_probs"], entropy=batch["entropy"], **whole_counts(batch)
+                batch,
+                slice(None),
+                log_probs=batch["log_probs"],
+                entropy=batch["entropy"],
+                **whole_counts(batch),
             )
             pg = ppo_loss(config=cfg, model_output=model_output, data=data)[1]["actor/pg_loss"].value
             out[loss_mode, mode] = float(pg)

@@ -22,6 +22,7 @@ from verl_engine.micro_batching import MicroBatching
 from verl_engine.mtp import MtpSettings
 from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
+from verl_engine.refusals import check_supported
 
 __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
 
@@ -400,6 +401,7 @@ def rl_engine_from_config(
             f"model_engine is {cfg.model_engine!r}; verl-engine is the Megatron engine: load the config with"
             " model_engine=megatron"
         )
+    check_supported(cfg, role=role)  # before any model is built: a valid verl setting we would ignore
     arr = cfg.actor_rollout_ref
     section = {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic}[role]
     engine = section.megatron

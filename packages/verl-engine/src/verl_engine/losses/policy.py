@@ -25,6 +25,7 @@ __all__ = [
     "cispo_policy_loss",
     "dppo_kl_policy_loss",
     "dppo_tv_policy_loss",
+    "geo_mean_policy_loss",
     "get_policy_loss_fn",
     "gpg_policy_loss",
     "gspo_policy_loss",
@@ -44,7 +45,8 @@ class PolicyTerms:
 
     ``clipped`` / ``clipped_lower``: where the clip / the dual clip bound the loss (None: the mode has no
     such clip, its fraction is 0). ``loss_agg_mode``: set by a mode that fixes its own aggregation, else
-    the config's applies.
+    the config's applies. ``weighted``: the mode applied the rollout importance weights itself (a
+    sequence-level mode weights whole sequences), so the skeleton must not multiply them in again.
     """
 
     losses: torch.Tensor
@@ -52,10 +54,12 @@ class PolicyTerms:
     clipped: torch.Tensor | None = None
     clipped_lower: torch.Tensor | None = None
     loss_agg_mode: str | None = None
+    weighted: bool = False
 
 
 PolicyLossFn = Callable[..., PolicyTerms]
-"""``fn(*, log_prob, old_log_prob, advantages, response_mask, config) -> PolicyTerms``."""
+"""``fn(*, log_prob, old_log_prob, advantages, response_mask, config, rollout_is_weights) -> PolicyTerms``
+(``rollout_is_weights`` may be None; a mode that does not use it takes ``**_``)."""
 
 _POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(_POLICY_LOSS_REGISTRY)
@@ -107,8 +111,10 @@ def policy_loss(
         advantages=advantages,
         response_mask=response_mask,
         config=config,
+        rollout_is_weights=rollout_is_weights,
     )
-    losses = terms.losses if rollout_is_weights is None else terms.losses * rollout_is_weights
+    weighted = rollout_is_weights is None or terms.weighted
+    losses = terms.losses if weighted else terms.losses * rollout_is_weights
     pg_loss = agg_loss(
         loss_mat=losses,
         loss_mask=response_mask,
@@ -255,7 +261,9 @@ def cispo_policy_loss(
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1.0 - low, 1.0 + high)
     return PolicyTerms(
-        losses=-clipped_ratio.detach() * advantages * log_prob, log_ratio=log_ratio, clipped=ratio != clipped_ratio
+        losses=-clipped_ratio.detach() * advantages * log_prob,
+        log_ratio=log_ratio,
+        clipped=ratio != clipped_ratio,
     )
 
 
@@ -293,7 +301,9 @@ def dppo_tv_policy_loss(**kwargs: Any) -> PolicyTerms:
     """DPPO with the binary total-variation bound: a token counts while ``p - p_old <= clip_ratio_high`` (A > 0)
     or ``p - p_old >= -clip_ratio_low`` (A <= 0), the trust region on probabilities rather than ratios."""
 
-    def valid(p: torch.Tensor, p_old: torch.Tensor, *_: torch.Tensor, low: float, high: float) -> tuple[Any, Any]:
+    def valid(
+        p: torch.Tensor, p_old: torch.Tensor, *_: torch.Tensor, low: float, high: float
+    ) -> tuple[Any, Any]:
         return (p - p_old) <= high, (p - p_old) >= -low
 
     return _dppo_terms(valid=valid, **kwargs)
@@ -305,9 +315,62 @@ def dppo_kl_policy_loss(**kwargs: Any) -> PolicyTerms:
     must stay under ``clip_ratio_high`` / ``clip_ratio_low``, unless p moved against A's direction."""
 
     def valid(
-        p: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor, logp_old: torch.Tensor, *, low: float, high: float
+        p: torch.Tensor,
+        p_old: torch.Tensor,
+        logp: torch.Tensor,
+        logp_old: torch.Tensor,
+        *,
+        low: float,
+        high: float,
     ) -> tuple[Any, Any]:
-        binary_kl = p_old * (logp_old - logp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        binary_kl = p_old * (logp_old - logp) + (1 - p_old) * torch.log(
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+        )
         return (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old)
 
     return _dppo_terms(valid=valid, **kwargs)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_policy_loss(
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_: Any,
+) -> PolicyTerms:
+    """GMPO (https://arxiv.org/abs/2507.20673): the geometric mean of the token ratios per sequence, clipped per
+    token in log space, times the sequence's mean advantage: ``L_s = -mean_t(A) * exp(mean_t(clip(log r)))``.
+
+    Why geometric: one outlier token moves an arithmetic mean of ratios a lot and a geometric one little. The
+    loss is a sequence's, so it is one value per sequence: each token carries ``L_s`` and the aggregation is
+    ``seq-mean-token-mean`` (``sum_s L_s / B``), globally normalised. verl 0.9.1 takes ``torch.mean`` over the
+    micro-batch's sequences instead, which equals this for a whole batch on one rank but changes with the
+    micro-batching; here a step does not. Rollout weights apply per sequence, as their geometric mean.
+    """
+    low, high = _clip_range(config, loss="geo_mean policy loss")
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -low, high)
+    chosen = sign * torch.min(sign * log_ratio, sign * clamped)
+    # verl writes tokens + 1e-8 with its boolean mask: an int count plus 1e-8 in float32, which is the count
+    # itself for any non-empty sequence; an empty one has a zero numerator either way
+    tokens = mask.sum(dim=-1).clamp(min=1.0)
+    seq_ratio = torch.exp((chosen * mask).sum(dim=-1) / tokens)
+    seq_advantage = (advantages * mask).sum(dim=-1) / tokens
+    seq_loss = -seq_advantage * seq_ratio
+    if rollout_is_weights is not None:
+        seq_loss = seq_loss * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / tokens)
+    clipped = log_ratio != clamped
+    return PolicyTerms(
+        losses=seq_loss.unsqueeze(-1).expand_as(log_prob),
+        log_ratio=log_ratio,
+        clipped=clipped & (advantages > 0),
+        clipped_lower=clipped & (advantages < 0),
+        loss_agg_mode="seq-mean-token-mean",
+        weighted=True,
+    )
