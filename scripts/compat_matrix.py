@@ -283,13 +283,14 @@ def collect_gpu(folder: Path) -> tuple[str, dict]:
         "megatron_core": machine.get("megatron_core"),
         "transformer_engine": machine.get("transformer_engine"),
         "commits": sorted({r["commit"] for r in records}),
-        "chunks": {
-            r["chunk"]: ("green" if r["green"] else "timed out" if r["timed_out"] else "failed")
-            for r in records
-        },  # fmt: skip
+        "chunks": {r["chunk"]: _chunk_state(r) for r in records},
         "counts": counts,
     }
     return folder.name, entry
+
+
+def _chunk_state(record: dict) -> str:
+    return "green" if record["green"] else "timed out" if record["timed_out"] else "failed"
 
 
 def load_results(path: Path) -> dict:
