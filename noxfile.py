@@ -31,6 +31,9 @@ CI_MCORE_VERSIONS = {MCORE_VERSIONS[0], MCORE_VERSIONS[-1]}
 # What an old megatron-core needs beside it (its wheel declares numpy<2).
 EXTRA_PINS = {"0.14.0": ["numpy<2"], "0.15.3": ["numpy<2"]}
 PACKAGES = ["verl-config", "verl-mcore-utils", "verl-dyncp", "verl-mfsdp", "verl-engine"]
+# The verl release our losses are compared with (`verl_reference` tests): its wheel without dependencies, plus the
+# two small modules importing its core_algos needs beyond our test environment.
+VERL_REFERENCE = ["verl==0.9.1", "codetiming", "orjson"]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -97,10 +100,14 @@ def tests(session: nox.Session, mcore: str) -> None:
     # documented example): what they add per release is covered by the engine's own tests, so they run
     # against the newest megatron-core only.
     # `release` tests need the release tool group and run once, in the `release` session.
+    # `verl_reference` tests compare with the published verl wheel, installed here for the newest release only.
+    newest = mcore == MCORE_VERSIONS[-1]
+    if newest:
+        session.install("--no-deps", *VERL_REFERENCE)
     marks = (
         "not gpu and not release"
-        if mcore == MCORE_VERSIONS[-1]
-        else "not gpu and not above_engine and not release"
+        if newest
+        else "not gpu and not above_engine and not release and not verl_reference"
     )
     for pkg in PACKAGES:
         tests_dir = f"packages/{pkg}/tests"
