@@ -145,7 +145,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "test_gpu_wgrad_fusion",
         ),
     ),
-    ("verl-engine", "CLI start-up output", ("test_cli_output",)),
+    ("verl-engine", "CLI start-up output, run directories", ("test_cli_output", "test_run_dir")),
     (
         "verl-engine",
         "packaging rules, structure, benchmark records, GPU suite, release tooling (all packages)",

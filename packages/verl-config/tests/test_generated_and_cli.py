@@ -192,3 +192,18 @@ def test_load_config_raises_one_error_carrying_the_list() -> None:
             ]
         )
     assert one.value.key == "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+
+
+def test_diff_into_a_closed_pipe_ends_quietly() -> None:
+    """`verl-config diff | head -1`: the reader leaves early; exit 0 and no BrokenPipeError traceback. The pipe's
+    read end is closed before the command writes anything, so its first write fails (no race)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from verl_config.cli import main; sys.exit(main(['diff']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err

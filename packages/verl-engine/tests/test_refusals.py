@@ -22,7 +22,10 @@ KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 @pytest.mark.parametrize(
     ("mode", "why"),
     [
-        ("clip_cov", "is valid verl but not implemented by verl-engine: it picks the tokens to clip at random"),
+        (
+            "clip_cov",
+            "is valid verl but not implemented by verl-engine: it picks the tokens to clip at random",
+        ),
         ("kl_cov", "is valid verl but not implemented by verl-engine"),
         ("dro", "needs policy_loss.dro_beta"),
         ("bypass_mode", "rollout's log-probs as the old policy"),
@@ -31,7 +34,9 @@ KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 )
 def test_a_policy_loss_the_engine_lacks_is_refused_at_build(mode: str, why: str) -> None:
     cfg = load_config(overrides=[*BASE, f"{KEY}={mode}"])  # valid verl: the config loads
-    with pytest.raises(ValueError, match=rf"cannot build the actor: {KEY}='{mode}' .*{why}.*implemented: cispo,"):
+    with pytest.raises(
+        ValueError, match=rf"cannot build the actor: {KEY}='{mode}' .*{why}.*implemented: cispo,"
+    ):
         # model.path is verl's default (a hub name): the refusal comes first, no model is looked up or built
         rl_engine_from_config(cfg, role="actor", device=torch.device("cpu"))
 

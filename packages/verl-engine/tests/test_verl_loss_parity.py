@@ -72,10 +72,17 @@ def _config(mode: str, agg: str) -> Any:
     return cfg
 
 
-def _verl(batch: dict[str, torch.Tensor], mode: str, agg: str, weights: bool) -> tuple[float, torch.Tensor, dict]:
+def _verl(
+    batch: dict[str, torch.Tensor], mode: str, agg: str, weights: bool
+) -> tuple[float, torch.Tensor, dict]:
     cfg = _config(mode, agg)
     mask = batch["response_mask"]
-    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": ROWS, "loss_scale_factor": None}
+    info = {
+        "dp_size": 1,
+        "batch_num_tokens": int(mask.sum()),
+        "global_batch_size": ROWS,
+        "loss_scale_factor": None,
+    }
     object.__setattr__(cfg, "global_batch_info", info)  # what verl's ppo_loss sets before the call
     lp = batch["log_prob"].clone().requires_grad_(True)
     loss, metrics = core_algos.get_policy_loss_fn(mode)(
@@ -152,7 +159,9 @@ def _table() -> dict[str, dict[str, float]]:
     out = os.environ.get("VERL_LOSS_PARITY_OUT")
     if out:
         with open(out, "w") as f:
-            json.dump({"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1, sort_keys=True)
+            json.dump(
+                {"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1, sort_keys=True
+            )
     return table
 
 

@@ -15,6 +15,7 @@ config or usage.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -99,6 +100,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `verl-config diff | head`: the reader left; no traceback for that
+        try:  # Python's recipe: stdout onto /dev/null, so flushing it at exit raises nothing either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor (captured): nothing to flush
+            pass
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "diff":
         a, b = args.engines

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from verl_config import ConfigError, SFTConfig, load_config
 from verl_engine.apps.quiet import quiet_third_party_notices
+from verl_engine.apps.run_dir import prepare_run_dir
 
 __all__ = ["main", "parse_train_args"]
 
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seq-len", type=int, help="tokens per sequence (data.max_length)")
     train.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
     train.add_argument("--output-dir", help="where metrics.jsonl and summary.json go")
+    train.add_argument("--overwrite", action="store_true", help="replace the run already in --output-dir")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), help="cpu runs the labelled debug mode")
     train.add_argument("--config", help="YAML file merged over the defaults")
     train.add_argument(
@@ -82,7 +84,17 @@ def _parser() -> argparse.ArgumentParser:
     grpo.add_argument("--warmup-lr", type=float, help="warm-start learning rate (default 1e-3)")
     grpo.add_argument("--seed", type=int, default=0, help="run seed: model init, problems, sampling")
     grpo.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    grpo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    grpo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (its metrics, plot, sft/, checkpoints/)",
+    )
+    grpo.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the engines and the rollout run (default cpu)",
+    )
     grpo.add_argument("--hidden-size", type=int, help="embedded model width (default 128)")
     grpo.add_argument("--layers", type=int, help="embedded model depth (default 2)")
     grpo.add_argument(
@@ -99,7 +111,19 @@ def _parser() -> argparse.ArgumentParser:
     grpo.add_argument("--no-progress", action="store_true", help="no progress bar")
     grpo.add_argument("--no-plot", action="store_true", help="do not write <out>/grpo.png (needs matplotlib)")
     grpo.add_argument("overrides", nargs="*", metavar="key=value", help="verl ppo_trainer overrides")
+    parser.set_defaults(commands={"train": train, "grpo": grpo})
     return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command's own parser when the command is known, so a misspelt flag shows that command's usage."""
+    parser = _parser()
+    commands = parser.get_default("commands")
+    if argv[:1] and argv[0] in commands:
+        args = commands[argv[0]].parse_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
 
 
 _OFFLOAD_KEYS = (
@@ -114,6 +138,7 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     """``verl-engine grpo``: prints the held-out accuracy per evaluation and where the metrics are."""
     from verl_engine.apps.grpo_run import GRPORun, RayWorkers, run_grpo
 
+    prepare_run_dir(args.out, flag="--out", resume=args.resume, overwrite=args.overwrite, can_resume=True)
     overrides = [*(_OFFLOAD_KEYS if args.offload else ()), *args.overrides]
     if args.init_from is not None:
         overrides.append(f"actor_rollout_ref.model.path={args.init_from}")
@@ -183,7 +208,7 @@ def _ray_group(overrides: list[str], *, device: str) -> object:
 
 def parse_train_args(argv: list[str]) -> tuple[SFTConfig, argparse.Namespace]:
     """Parse ``train`` arguments into a validated SFTConfig (flags first, then key=value overrides)."""
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     overrides = [
         f"{key}={getattr(args, flag)}"
         for flag, key in _FLAG_TO_KEY.items()
@@ -199,14 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_third_party_notices()  # before megatron-core is imported: its notices come at import time
     if argv[:1] == ["grpo"]:
-        args = _parser().parse_args(argv)
+        args = _parse(argv)
         try:
             return run_grpo_command(args)
         except (ConfigError, FileNotFoundError) as err:
             print(f"verl-engine grpo: {err}", file=sys.stderr)
             return 2
     try:
-        cfg, _ = parse_train_args(argv)
+        cfg, args = parse_train_args(argv)
+        prepare_run_dir(
+            cfg.trainer.default_local_dir,
+            flag="--output-dir",
+            resume=False,
+            overwrite=args.overwrite,
+            can_resume=False,
+        )
     except (ConfigError, FileNotFoundError) as err:
         print(f"verl-engine: config error: {err}", file=sys.stderr)
         return 2
