@@ -6,8 +6,8 @@
 
 Puts into one folder: wheels of the five workspace packages (built from this checkout) and, for the
 chosen Python version / platform / megatron-core version, the wheels such a host still lacks
-(megatron-core, omegaconf and its antlr4 runtime, pyyaml, tqdm, packaging; mbridge / peft with
---extra). Versions come from uv.lock, so the GPU host runs what CI tested. Pure-Python packages that
+(megatron-core, omegaconf and its antlr4 runtime, pyyaml, tqdm, packaging, tensordict with cloudpickle and
+pyvers; mbridge / peft with --extra). Versions come from uv.lock, so the GPU host runs what CI tested. Pure-Python packages that
 PyPI ships only as source are built into wheels here. Install there with the one line printed at
 the end (also written to INSTALL.txt):
 
@@ -24,7 +24,10 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME = ["megatron-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "tqdm", "packaging"]
+RUNTIME = [
+    "megatron-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "tqdm", "packaging",
+    "tensordict", "cloudpickle", "pyvers",  # verl-engine's losses read verl's TensorDict batches
+]  # fmt: skip
 EXTRAS = {"mbridge": ["mbridge"], "peft": ["peft", "safetensors"], "hf": ["safetensors"]}
 PLATFORM_TAGS = [
     "manylinux_2_28_x86_64",
