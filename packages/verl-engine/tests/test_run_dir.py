@@ -83,3 +83,14 @@ def test_a_misspelt_flag_shows_the_commands_own_usage(capsys: pytest.CaptureFixt
         err = capsys.readouterr().err
         assert f"verl-engine {command}: error: unrecognized arguments: --stesp" in err
         assert f"usage: verl-engine {command}" in err
+
+
+def test_resuming_a_finished_run_with_no_more_steps_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("150")
+    assert main(["grpo", "--out", str(out), "--resume", "--steps", "50", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "is at step 150 (its latest checkpoint) and trainer.total_training_steps (--steps) is 50" in err

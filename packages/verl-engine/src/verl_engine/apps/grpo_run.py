@@ -204,7 +204,15 @@ def _plan(run: GRPORun) -> _Plan:
         eval_size=run.eval_size,
         tokenizer=tokens,
     )
-    load_config(overrides=overrides)
+    cfg = load_config(overrides=overrides)
+    if resuming:
+        done = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
+        total = int(cfg.trainer.total_training_steps)
+        if done >= total:
+            raise ConfigError(
+                f"{out} is at step {done} (its latest checkpoint) and trainer.total_training_steps (--steps) is"
+                f" {total}: nothing to resume; give more steps (e.g. --steps {done + 50}) to continue the run"
+            )
     if (
         user_path is None
         and run.warmup_steps == 0
