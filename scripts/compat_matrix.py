@@ -125,7 +125,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "SFT engine, DP parity, close()",
         ("test_train_cpu", "test_dp_parity_cpu", "test_engine_lifetime*"),
     ),
-    ("verl-engine", "GRPO loop, Ray workers", ("test_grpo*", "test_ray_workers*")),
+    ("verl-engine", "GRPO loop, Ray workers, SIGTERM and resume", ("test_grpo*", "test_ray_workers*")),
     ("verl-engine", "verl-config -> megatron-core", ("test_config_to_mcore",)),
     (
         "verl-engine",
@@ -145,7 +145,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "test_gpu_wgrad_fusion",
         ),
     ),
-    ("verl-engine", "CLI start-up output, run directories", ("test_cli_output", "test_run_dir")),
+    (
+        "verl-engine",
+        "CLI start-up output, run directories, stop signals",
+        ("test_cli_output", "test_run_dir", "test_interrupt"),
+    ),
     (
         "verl-engine",
         "packaging rules, structure, benchmark records, GPU suite, release tooling (all packages)",

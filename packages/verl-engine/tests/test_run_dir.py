@@ -90,7 +90,7 @@ def test_resuming_a_finished_run_with_no_more_steps_is_an_error(
 ) -> None:
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("150")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text('{"global_step": 150}')
     assert main(["grpo", "--out", str(out), "--resume", "--steps", "50", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert "is at step 150 (its latest checkpoint) and trainer.total_training_steps (--steps) is 50" in err

@@ -46,7 +46,7 @@ from verl_engine.checkpoint_state import (
     unflatten_state,
 )
 
-__all__ = ["LATEST_FILE", "CheckpointError", "load_checkpoint", "save_checkpoint", "step_dir"]
+__all__ = ["LATEST_FILE", "CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint", "step_dir"]
 
 
 def _params(engine: Any) -> dict[str, torch.nn.Parameter]:
@@ -171,19 +171,27 @@ def _resolve(path: Path) -> Path:
     """A step directory, or the step the root's latest marker names."""
     if (path / "meta.json").is_file():
         return path
-    marker = path / LATEST_FILE
-    if not marker.is_file():
+    step = latest_step(path)
+    if step is None:
         raise CheckpointError(
             f"{path} is neither a checkpoint step directory (no meta.json) nor a checkpoint root (no {LATEST_FILE})"
         )
-    try:
-        step = json.loads(marker.read_text())["global_step"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{marker} is not a latest-step marker written by verl-engine: {err}") from None
-    found = step_dir(path, int(step))
+    marker = path / LATEST_FILE
+    found = step_dir(path, step)
     if not (found / "meta.json").is_file():
         raise CheckpointError(f"{marker} names step {step} but {found}/meta.json does not exist")
     return found
+
+
+def latest_step(root: str | os.PathLike[str]) -> int | None:
+    """The step a checkpoint root's latest marker names; None when the root has no marker."""
+    marker = Path(root) / LATEST_FILE
+    if not marker.is_file():
+        return None
+    try:
+        return int(json.loads(marker.read_text())["global_step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{marker} is not a latest-step marker written by verl-engine: {err}") from None
 
 
 def load_checkpoint(

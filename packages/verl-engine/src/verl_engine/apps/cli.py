@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from verl_config import ConfigError, SFTConfig, load_config
+from verl_engine.apps.interrupt import RunInterrupted
 from verl_engine.apps.quiet import quiet_third_party_notices
 from verl_engine.apps.run_dir import prepare_run_dir
 
@@ -230,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, FileNotFoundError) as err:
             print(f"verl-engine grpo: {err}", file=sys.stderr)
             return 2
+        except RunInterrupted as stopped:
+            if os.environ.get("RANK", "0") == "0":
+                how = (
+                    f"continue with: verl-engine grpo --out {args.out} --resume"
+                    if stopped.checkpoint is not None
+                    else f"nothing to resume; start again with: verl-engine grpo --out {args.out}"
+                )
+                print(f"verl-engine grpo: {stopped}; {how}", file=sys.stderr)
+            return stopped.exit_code
     try:
         cfg, args = parse_train_args(argv)
         prepare_run_dir(

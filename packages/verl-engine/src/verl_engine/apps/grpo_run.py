@@ -20,6 +20,7 @@ from verl_engine.apps.grpo_step import StepLoop, grpo_step
 from verl_engine.apps.grpo_sync import evaluate
 from verl_engine.apps.grpo_task import ArithmeticTask, HFTokens, Tokens, tiny_arithmetic_hf_config, tokens_of
 from verl_engine.apps.grpo_workers import InProcessWorkers, RayWorkers, Workers, init_process_group, is_rank0
+from verl_engine.apps.interrupt import RunInterrupted, StopSignals
 from verl_engine.apps.rollout import HFRollout, RolloutEngine, SamplingParams
 
 __all__ = [
@@ -141,13 +142,28 @@ def run_grpo(
     every step's metrics record (tests use it).
     """
     plan = _plan(run)
+    with StopSignals() as stop:
+        return _run(run, plan, rollout=rollout, workers=workers, on_step=on_step, stop=stop)
+
+
+def _run(
+    run: GRPORun,
+    plan: _Plan,
+    *,
+    rollout: RolloutEngine | None,
+    workers: Workers | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    stop: StopSignals,
+) -> dict[str, Any]:
+    """:func:`run_grpo` once the plan is checked, with SIGINT / SIGTERM turned into a stop at a step boundary."""
     if workers is None:
         init_process_group(run.device)
         workers = InProcessWorkers(device=run.device)
     device = (
         torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" else torch.device("cpu")
     )
-    cfg, use_ref = _build_engines(workers, plan, start_path=_start_model(workers, run, plan))
+    start_path = _start_model(workers, run, plan, stop=stop, device=device)
+    cfg, use_ref = _build_engines(workers, plan, start_path=start_path)
     if rollout is None:
         rollout = _default_rollout(cfg, plan, device)
     start = _resume(workers, plan)
@@ -169,7 +185,7 @@ def run_grpo(
     history: dict[str, Any] = {"eval": {}}
     if start == 0:
         history["eval"][0] = evaluate(workers, rollout, plan.task, params, colo)
-    last = _run_steps(loop, run=run, plan=plan, start=start, history=history, on_step=on_step)
+    last = _run_steps(loop, run=run, plan=plan, start=start, history=history, on_step=on_step, stop=stop)
     if run.plot and is_rank0():
         from verl_engine.apps.grpo_plot import plot_grpo_metrics
 
@@ -206,7 +222,9 @@ def _plan(run: GRPORun) -> _Plan:
     )
     cfg = load_config(overrides=overrides)
     if resuming:
-        done = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
+        from verl_engine.checkpoint import latest_step
+
+        done = latest_step(out / "checkpoints") or 0
         total = int(cfg.trainer.total_training_steps)
         if done >= total:
             raise ConfigError(
@@ -232,7 +250,9 @@ def _model_path(overrides: Sequence[str]) -> str | None:
     return found[-1] if found else None
 
 
-def _start_model(workers: Workers, run: GRPORun, plan: _Plan) -> str | None:
+def _start_model(
+    workers: Workers, run: GRPORun, plan: _Plan, *, stop: StopSignals, device: torch.device
+) -> str | None:
     """The model the actor and the reference start from: on resume the run's ``sft/`` if it has one (the warm
     start is done), else the warm start's result, saved as ``sft/`` (verl: the reference is the initial
     policy), else the user's model."""
@@ -243,7 +263,7 @@ def _start_model(workers: Workers, run: GRPORun, plan: _Plan) -> str | None:
         return plan.user_path
     warm = [*plan.overrides, f"actor_rollout_ref.actor.optim.lr={run.warmup_lr}"]
     workers.build("actor", warm, hf_config=None if plan.user_path else plan.hf)
-    _warm_start(workers, plan.task, run=run)
+    _warm_start(workers, plan.task, run=run, stop=stop, device=device)
     workers.call("actor", "save_hf", str(sft_dir))
     if isinstance(plan.tokens, HFTokens) and is_rank0():  # sft/ is a complete model directory
         plan.tokens.tokenizer.save_pretrained(str(sft_dir))
@@ -251,9 +271,20 @@ def _start_model(workers: Workers, run: GRPORun, plan: _Plan) -> str | None:
     return str(sft_dir)
 
 
-def _warm_start(workers: Workers, task: ArithmeticTask, *, run: GRPORun) -> None:
-    """``run.warmup_steps`` supervised steps on prompt -> demonstrated answer + EOS (response tokens only)."""
+def _warm_start(
+    workers: Workers, task: ArithmeticTask, *, run: GRPORun, stop: StopSignals, device: torch.device
+) -> None:
+    """``run.warmup_steps`` supervised steps on prompt -> demonstrated answer + EOS (response tokens only); a stop
+    signal ends it between steps (nothing to checkpoint yet: the GRPO checkpoints start after it)."""
     for step in range(run.warmup_steps):
+        signum = stop.agreed(device)
+        if signum:
+            raise RunInterrupted(
+                signum,
+                step=0,
+                checkpoint=None,
+                note=f" (during the warm start, at its step {step} of {run.warmup_steps})",
+            )
         problems = task.demonstrations(
             step=step, count=run.warmup_batch_size, error_rate=run.warmup_error_rate
         )
@@ -327,9 +358,11 @@ def _run_steps(
     start: int,
     history: dict[str, Any],
     on_step: Callable[[dict[str, Any]], None] | None,
+    stop: StopSignals,
 ) -> dict[str, Any]:
     """Steps ``start`` .. ``total_training_steps``, each followed by its evaluation, metrics record and
-    checkpoint as ``test_freq`` / ``save_freq`` ask; the last step's metrics."""
+    checkpoint as ``test_freq`` / ``save_freq`` ask; the last step's metrics. After a step that a stop signal
+    reached, every rank writes that step's checkpoint and raises :class:`RunInterrupted`."""
     trainer = loop.cfg.trainer
     total, test_freq, save_freq = (
         int(trainer.total_training_steps),
@@ -348,13 +381,21 @@ def _run_steps(
         if is_rank0():
             with plan.metrics_file.open("a") as f:
                 f.write(json.dumps(metrics, sort_keys=True) + "\n")
-        if save_freq > 0 and (done % save_freq == 0 or done == total):
+        saved = save_freq > 0 and (done % save_freq == 0 or done == total)
+        if saved:
             _save(loop, plan.ckpt_root, step=done)
         if on_step is not None:
             on_step(metrics)
         if bar is not None:
             _show(bar, metrics, history)
         last = metrics
+        signum = stop.agreed(loop.device) if done < total else 0
+        if signum:
+            if not saved:
+                _save(loop, plan.ckpt_root, step=done)
+            if bar is not None:
+                bar.close()
+            raise RunInterrupted(signum, step=done, checkpoint=plan.ckpt_root / f"global_step_{done}")
     if bar is not None:
         bar.close()
     return last
