@@ -35,6 +35,12 @@ def _records(out: Path) -> list[dict]:
 def test_sigterm_stops_after_a_step_with_its_checkpoint_and_resume_continues_exactly(tmp_path: Path) -> None:
     straight = subprocess.run(_grpo(tmp_path / "straight"), capture_output=True, text=True, timeout=900)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    # without a progress bar every phase still reports as it goes: the warm start, each evaluation
+    lines = straight.stdout.splitlines()
+    assert "warm start: step 5/5" in " ".join(lines)
+    assert [line for line in lines if ": held-out accuracy " in line][:1] == [
+        line for line in lines if line.startswith("step 0/6: held-out accuracy ")
+    ]
 
     run = tmp_path / "run"
     proc = subprocess.Popen(_grpo(run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -6,6 +6,7 @@ key; :class:`GRPORun` holds only what the config has no key for. Design: the pac
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,6 +186,7 @@ def _run(
     history: dict[str, Any] = {"eval": {}}
     if start == 0:
         history["eval"][0] = evaluate(workers, rollout, plan.task, params, colo)
+        _eval_line(run, 0, total=int(cfg.trainer.total_training_steps), accuracy=history["eval"][0])
     last = _run_steps(loop, run=run, plan=plan, start=start, history=history, on_step=on_step, stop=stop)
     if run.plot and is_rank0():
         from verl_engine.apps.grpo_plot import plot_grpo_metrics
@@ -275,7 +277,9 @@ def _warm_start(
     workers: Workers, task: ArithmeticTask, *, run: GRPORun, stop: StopSignals, device: torch.device
 ) -> None:
     """``run.warmup_steps`` supervised steps on prompt -> demonstrated answer + EOS (response tokens only); a stop
-    signal ends it between steps (nothing to checkpoint yet: the GRPO checkpoints start after it)."""
+    signal ends it between steps (nothing to checkpoint yet: the GRPO checkpoints start after it). Its progress:
+    a bar with ``run.progress``, else a line at every tenth of it (it can take minutes)."""
+    report = _PhaseProgress(run, name="warm start", total=run.warmup_steps)
     for step in range(run.warmup_steps):
         signum = stop.agreed(device)
         if signum:
@@ -293,7 +297,44 @@ def _warm_start(
             [task.answer_ids(a) for _, a in problems],
             pad_token_id=task.tokenizer.pad_id,
         )
-        workers.call("actor", "train_batch", batch, loss="sft")
+        out = workers.call("actor", "train_batch", batch, loss="sft")
+        report.advance(step + 1, loss=_loss_of(out))
+    report.close()
+
+
+def _loss_of(out: Any) -> float | None:
+    """The step's loss from a ``train_batch`` result (None where the worker returns none)."""
+    loss = out.get("loss") if isinstance(out, Mapping) else None
+    return None if loss is None else float(loss)
+
+
+class _PhaseProgress:
+    """A progress bar on rank 0 with ``run.progress``, else a line at every tenth of the phase (on rank 0)."""
+
+    def __init__(self, run: GRPORun, *, name: str, total: int) -> None:
+        self.name, self.total = name, total
+        self.every = max(1, total // 10)
+        self.bar = None
+        self.on = is_rank0() and total > 0
+        if self.on and run.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+
+    def advance(self, done: int, *, loss: float | None) -> None:
+        if not self.on:
+            return
+        if self.bar is not None:
+            if loss is not None:
+                self.bar.set_postfix({"loss": f"{loss:.3f}"})
+            self.bar.update(1)
+        elif done % self.every == 0 or done == self.total:
+            shown = "" if loss is None else f", loss {loss:.3f}"
+            print(f"{self.name}: step {done}/{self.total}{shown}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _build_engines(workers: Workers, plan: _Plan, *, start_path: str | None) -> tuple[Any, bool]:
@@ -378,6 +419,7 @@ def _run_steps(
             metrics["eval_accuracy"] = history["eval"][done] = evaluate(
                 loop.workers, loop.rollout, loop.task, loop.params, loop.colo
             )
+            _eval_line(run, done, total=total, accuracy=metrics["eval_accuracy"])
         if is_rank0():
             with plan.metrics_file.open("a") as f:
                 f.write(json.dumps(metrics, sort_keys=True) + "\n")
@@ -414,6 +456,13 @@ def _progress_bar(run: GRPORun, *, total: int, start: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def _eval_line(run: GRPORun, step: int, *, total: int, accuracy: float) -> None:
+    """One line per evaluation on rank 0 where no progress bar shows it, or where stdout is not a terminal (a
+    log file then has every evaluation as it happens, not only at the end)."""
+    if is_rank0() and not (run.progress and sys.stdout.isatty()):
+        print(f"step {step}/{total}: held-out accuracy {accuracy:.3f}", flush=True)
 
 
 def _show(bar: Any, metrics: Mapping[str, Any], history: Mapping[str, Any]) -> None:
