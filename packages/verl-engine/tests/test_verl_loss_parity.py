@@ -19,14 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from verl_engine.losses import LOSS_AGG_MODES, policy_loss
+
 pytestmark = pytest.mark.verl_reference
-
-core_algos = pytest.importorskip(
-    "verl.trainer.ppo.core_algos", reason="needs the verl 0.9.1 wheel: run nox -s 'tests(0.19.2)'"
-)
-from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
-
-from verl_engine.losses import LOSS_AGG_MODES, policy_loss  # noqa: E402
 
 VERL_VERSION = "0.9.1"
 MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "geo_mean")
@@ -57,7 +52,20 @@ def _batch(seed: int, *, physical: bool) -> dict[str, torch.Tensor]:
     }
 
 
+@functools.cache
+def _verl_modules() -> tuple[Any, Any, Any]:
+    """verl's core_algos, ActorConfig and PolicyLossConfig, imported when a test of this module runs (a session
+    that deselects these tests never imports verl, and so never reports a skip)."""
+    core_algos = pytest.importorskip(
+        "verl.trainer.ppo.core_algos", reason="needs the verl 0.9.1 wheel: run nox -s 'tests(0.19.2)'"
+    )
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    return core_algos, ActorConfig, PolicyLossConfig
+
+
 def _config(mode: str, agg: str) -> Any:
+    _, ActorConfig, PolicyLossConfig = _verl_modules()
     cfg = ActorConfig(
         strategy="megatron",
         clip_ratio=0.2,
@@ -85,7 +93,7 @@ def _verl(
     }
     object.__setattr__(cfg, "global_batch_info", info)  # what verl's ppo_loss sets before the call
     lp = batch["log_prob"].clone().requires_grad_(True)
-    loss, metrics = core_algos.get_policy_loss_fn(mode)(
+    loss, metrics = _verl_modules()[0].get_policy_loss_fn(mode)(
         old_log_prob=batch["old_log_prob"],
         log_prob=lp,
         advantages=batch["advantages"],
@@ -168,6 +176,7 @@ def _table() -> dict[str, dict[str, float]]:
 def test_the_wheel_is_verl_0_9_1() -> None:
     from importlib.metadata import version
 
+    _verl_modules()
     assert version("verl") == VERL_VERSION
 
 
@@ -182,6 +191,6 @@ def test_verl_registers_no_policy_loss_we_neither_implement_nor_refuse() -> None
     from verl_engine.losses import POLICY_LOSSES
     from verl_engine.refusals import NOT_IMPLEMENTED_POLICY_LOSSES
 
-    registered = set(core_algos.POLICY_LOSS_REGISTRY)
+    registered = set(_verl_modules()[0].POLICY_LOSS_REGISTRY)
     assert registered <= set(POLICY_LOSSES) | set(NOT_IMPLEMENTED_POLICY_LOSSES), registered
     assert set(MODES) == registered & set(POLICY_LOSSES)
