@@ -94,8 +94,8 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mfsdp", "training, offload, export, checkpoints (GPU)", ("test_gpu_mfsdp*",)),
     (
         "verl-engine",
-        "RL losses, LR schedules, settings refused at build",
-        ("test_losses", "test_lr_schedule", "test_refusals"),
+        "RL losses (parity with the verl 0.9.1 wheel), LR schedules, settings refused at build",
+        ("test_losses", "test_lr_schedule", "test_refusals", "test_verl_loss_parity"),
     ),
     (
         "verl-engine",
