@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """Refresh the verl reference data that verl-config's tests compare against.
 
+    uv run python scripts/refresh_verl_reference.py --verl-version 0.9.1 [--wheel verl-0.9.1-py3-none-any.whl]
+        [--out packages/verl-config/tests/data/verl_reference] [--check]
     uv run python scripts/refresh_verl_reference.py --verl /tmp/verl [--commit SHA]
         [--git-dir /path/to/verl.git] [--out packages/verl-config/tests/data/verl_reference] [--check]
 
-verl (volcengine/verl) is the reference for verl-config's schema. This script reads a verl
-checkout without importing it (verl needs torch and ray) and stores, under --out:
+verl (volcengine/verl) is the reference for verl-config's schema. The reference is a published
+release (--verl-version: its wheel is fetched with ``pip download verl==VERSION --no-deps`` from the
+configured package index, or taken from --wheel, and unpacked; a wheel has the same ``verl/`` layout
+as a checkout) or a checkout of any commit (--verl). This script reads the verl tree without
+importing it (verl needs torch and ray) and stores, under --out:
 
 * ``_generated_ppo_trainer.yaml`` / ``_generated_ppo_megatron_trainer.yaml``: byte copies of
   verl/trainer/config/ of that checkout;
@@ -13,9 +18,10 @@ checkout without importing it (verl needs torch and ray) and stores, under --out
   its fields (own and inherited, in dataclass order), their annotations and defaults;
 * ``targets.json``: for each generated yaml, the ``_target_`` of every section, the class it
   resolves to in dataclasses.json, and the keys on which the yaml and the dataclass disagree;
-* ``REFERENCE.json``: the verl commit the data come from and the sha256 of every stored file.
+* ``REFERENCE.json``: where the data come from (the release with its wheel's file name and sha256,
+  or the commit with its date) and the sha256 of every stored file.
 
-If --commit is not given, the commit is the checkout's ``git rev-parse HEAD`` (for a plain
+For a checkout: if --commit is not given, the commit is the checkout's ``git rev-parse HEAD`` (for a plain
 work tree such as a ``git archive`` extract, pass --commit; --git-dir names a git directory,
 e.g. a bare mirror, to read the commit date from). Output is deterministic: re-running on the
 same checkout gives no diff. --check regenerates into a temporary folder and exits 1 with a
@@ -33,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,7 @@ SOURCE_PATTERNS = (
     "verl/workers/config/*.py",
     "verl/trainer/config/*.py",
     "verl/utils/profiler/config.py",
+    "verl/utils/skip/config.py",  # the top-level ``skip`` section (verl 0.9)
 )
 DATACLASSES_JSON = "dataclasses.json"
 TARGETS_JSON = "targets.json"
@@ -61,6 +69,8 @@ OMEGACONF_MISSING = ("MISSING", "omegaconf.MISSING")
 # Annotations that dataclasses do not turn into fields.
 NON_FIELD_ANNOTATIONS = ("ClassVar", "InitVar", "KW_ONLY")
 SHA_RE = re.compile(r"[0-9a-f]{40}")
+# A release as pip spells one (PEP 440 public versions: 0.9.1, 0.10.0rc1, 1.0.post2 ...).
+VERSION_RE = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,8 +521,12 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_reference(*, verl_root: Path, commit: str, date: str | None) -> dict[str, bytes]:
-    """Every stored file's bytes, keyed by file name; nothing is written here."""
+def build_reference(*, verl_root: Path, origin: dict[str, Any]) -> dict[str, bytes]:
+    """Every stored file's bytes, keyed by file name; nothing is written here.
+
+    ``origin`` says where ``verl_root`` comes from: ``{"commit": ..., "commit_date": ...}`` for a
+    checkout, ``{"release": ..., "wheel": ..., "wheel_sha256": ...}`` for a published wheel.
+    """
     yamls = {name: (verl_root / YAML_DIR / name).read_bytes() for name in YAML_FILES}
     dataclasses = extract_dataclasses(verl_root=verl_root)
     targets = extract_targets(
@@ -526,8 +540,7 @@ def build_reference(*, verl_root: Path, commit: str, date: str | None) -> dict[s
     }
     reference = {
         "repository": REPOSITORY,
-        "commit": commit,
-        "commit_date": date,
+        **origin,
         "generator": "scripts/refresh_verl_reference.py",
         "files": {name: sha256(data) for name, data in files.items()},
         "sources": sources,
@@ -592,26 +605,92 @@ def choose_date(*, commit: str, verl_root: Path, git_dir: Path | None, stored: d
     return date
 
 
+# ---------------------------------------------------------------------------------------------
+# A published release: its wheel
+# ---------------------------------------------------------------------------------------------
+
+
+def check_version(version: str) -> str:
+    if not VERSION_RE.fullmatch(version):
+        raise SystemExit(f"--verl-version must be a release such as 0.9.1, got {version!r}")
+    return version
+
+
+def wheel_version(wheel: Path) -> str | None:
+    """The version a wheel's file name carries (``verl-0.9.1-py3-none-any.whl`` -> ``0.9.1``)."""
+    parts = wheel.name.split("-")
+    if len(parts) < 5 or parts[0] != "verl" or not wheel.name.endswith(".whl"):
+        return None
+    return parts[1]
+
+
+def download_wheel(*, version: str, dest: Path) -> Path:
+    """``pip download verl==VERSION --no-deps`` into ``dest`` (pip's configured index); the wheel's path.
+
+    Only a wheel is accepted (--only-binary): an sdist would need a build, and the wheel is what
+    users install.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", f"verl=={version}", "--no-deps", "--only-binary=:all:"]
+    done = subprocess.run([*cmd, "-d", str(dest)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"pip download verl=={version} failed:\n{done.stdout}{done.stderr}")
+    wheels = [w for w in dest.glob("verl-*.whl") if wheel_version(w) == version]
+    if len(wheels) != 1:
+        raise SystemExit(
+            f"pip download verl=={version} left no single wheel in {dest}: {sorted(dest.iterdir())}"
+        )
+    return wheels[0]
+
+
+def extract_wheel(*, wheel: Path, dest: Path) -> Path:
+    """Unpack a wheel (a zip) into ``dest`` and return it as the verl root; refuses paths leaving ``dest``."""
+    root = dest.resolve()
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            target = (root / name).resolve()
+            if target != root and root not in target.parents:
+                raise SystemExit(f"{wheel.name}: member {name!r} would be written outside {root}")
+        zf.extractall(root)
+    return root
+
+
+def release_origin(*, version: str, wheel: Path) -> dict[str, Any]:
+    """REFERENCE.json's account of a release: version, wheel file name and the wheel's sha256."""
+    return {"release": version, "wheel": wheel.name, "wheel_sha256": sha256(wheel.read_bytes())}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--verl", required=True, type=Path, help="root of a verl checkout (holds verl/)")
-    ap.add_argument("--commit", help="verl commit of that checkout (default: its git HEAD)")
-    ap.add_argument("--git-dir", type=Path, help="git directory to read the commit date from")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--verl", type=Path, help="root of a verl checkout (holds verl/)")
+    source.add_argument("--verl-version", help="a published verl release, e.g. 0.9.1 (its wheel is read)")
+    ap.add_argument("--wheel", type=Path, help="with --verl-version: that release's wheel file (no download)")
+    ap.add_argument("--commit", help="with --verl: verl commit of that checkout (default: its git HEAD)")
+    ap.add_argument("--git-dir", type=Path, help="with --verl: git directory to read the commit date from")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the stored data")
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 with a diff if stale")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.verl_version is not None and (args.commit or args.git_dir):
+        ap.error("--commit and --git-dir describe a checkout; they do not go with --verl-version")
+    if args.verl is not None and args.wheel is not None:
+        ap.error("--wheel goes with --verl-version")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    verl_root: Path = args.verl.resolve()
-    if not (verl_root / YAML_DIR).is_dir():
-        raise SystemExit(f"{verl_root} does not look like a verl checkout (no {YAML_DIR}/)")
-    out: Path = args.out.resolve()
-    stored = stored_reference(out)
+def checkout_origin(*, args: argparse.Namespace, verl_root: Path, stored: dict[str, Any]) -> dict[str, Any]:
     commit = choose_commit(verl_root=verl_root, given=args.commit, stored=stored, check=args.check)
     date = choose_date(commit=commit, verl_root=verl_root, git_dir=args.git_dir, stored=stored)
-    files = build_reference(verl_root=verl_root, commit=commit, date=date)
+    return {"commit": commit, "commit_date": date}
+
+
+def check_root(verl_root: Path, *, what: str) -> Path:
+    if not (verl_root / YAML_DIR).is_dir():
+        raise SystemExit(f"{what} does not look like verl (no {YAML_DIR}/)")
+    return verl_root
+
+
+def emit(*, args: argparse.Namespace, out: Path, files: dict[str, bytes], label: str) -> int:
+    """Write the files, or (--check) compare them with the stored ones: 0 when equal, 1 with a diff."""
     if not args.check:
         write_files(out=out, files=files)
         for name in sorted(files):
@@ -622,10 +701,32 @@ def main(argv: list[str] | None = None) -> int:
         diff = diff_folders(stored=out, fresh=Path(tmp), names=files)
     if diff:
         sys.stdout.write(diff)
-        print(f"\n{out} is stale for verl {commit}; rerun without --check", file=sys.stderr)
+        print(f"\n{out} is stale for verl {label}; rerun without --check", file=sys.stderr)
         return 1
-    print(f"{out} matches verl {commit}")
+    print(f"{out} matches verl {label}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out.resolve()
+    stored = stored_reference(out)
+    if args.verl is not None:
+        verl_root = check_root(args.verl.resolve(), what=str(args.verl))
+        origin = checkout_origin(args=args, verl_root=verl_root, stored=stored)
+        files = build_reference(verl_root=verl_root, origin=origin)
+        return emit(args=args, out=out, files=files, label=origin["commit"])
+    version = check_version(args.verl_version)
+    with tempfile.TemporaryDirectory(prefix="verl_wheel_") as tmp:
+        if args.wheel is None:
+            wheel = download_wheel(version=version, dest=Path(tmp) / "download")
+        else:
+            wheel = args.wheel.resolve()
+            if wheel_version(wheel) != version:
+                raise SystemExit(f"--wheel {wheel.name} is not the wheel of verl {version}")
+        verl_root = check_root(extract_wheel(wheel=wheel, dest=Path(tmp) / "root"), what=wheel.name)
+        files = build_reference(verl_root=verl_root, origin=release_origin(version=version, wheel=wheel))
+    return emit(args=args, out=out, files=files, label=version)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Our schema against verl's own configuration, key by key, for both engines (verl_config.verl_parity).
 
-The reference is verl's generated full configs and its config dataclasses at the pinned commit
+The reference is verl's generated full configs and its config dataclasses of the pinned release
 (data/verl_reference/, refreshed by scripts/refresh_verl_reference.py). Every verl key must exist here
 with the same default and a type that admits verl's values; every difference must be a row of
 INTENTIONAL_DIFFERENCES, and every row must still be needed.
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from verl_config import default_tree
 from verl_config.verl_parity import (
     INTENTIONAL_DIFFERENCES,
-    VERL_REFERENCE_COMMIT,
+    VERL_REFERENCE,
     Mismatch,
     annotation_kinds,
     compare_with_verl,
@@ -51,8 +51,10 @@ def _mismatches(engine: str, ours=None) -> list[Mismatch]:
     )
 
 
-def test_reference_commit_is_the_stored_one() -> None:
-    assert json.loads((DATA / "REFERENCE.json").read_text())["commit"] == VERL_REFERENCE_COMMIT
+def test_reference_release_is_the_stored_one() -> None:
+    stored = json.loads((DATA / "REFERENCE.json").read_text())
+    assert stored["release"] == VERL_REFERENCE
+    assert stored["wheel"] == f"verl-{VERL_REFERENCE}-py3-none-any.whl"
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "megatron"])

@@ -1,8 +1,9 @@
 """verl's configuration facts stored as test data (data/verl_reference/) and the script that refreshes them.
 
-The data come from scripts/refresh_verl_reference.py run on the verl commit named in REFERENCE.json.
+The data come from scripts/refresh_verl_reference.py run on the verl release named in REFERENCE.json.
 These tests need neither verl nor torch. That the stored data are what the script makes from the pinned
-commit is checked with `scripts/refresh_verl_reference.py --verl <checkout> --check` (no verl checkout in CI).
+release's wheel is checked with `scripts/refresh_verl_reference.py --verl-version <release> --check` (it
+downloads the wheel from the package index, which CI does not reach).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import re
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -41,12 +43,7 @@ EXPECTED_CLASSES = (
 )
 
 # _target_ strings in verl's generated yamls that name no config dataclass, and why.
-UNRESOLVABLE_TARGETS = {
-    "verl.workers.config.MegatronEngineConfig": (
-        "reward_model.megatron of the megatron yaml (from verl's reward_model/megatron_reward_model.yaml); "
-        "verl has no such class, its Megatron engine config is McoreEngineConfig"
-    ),
-}
+UNRESOLVABLE_TARGETS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +71,13 @@ def test_stored_files_exist() -> None:
     assert missing == [], f"run scripts/refresh_verl_reference.py; missing {missing}"
 
 
-def test_reference_names_a_commit_and_the_stored_files_hashes() -> None:
+def test_reference_names_a_release_wheel_and_the_stored_files_hashes() -> None:
     ref = _json("REFERENCE.json")
     assert ref["repository"] == "https://github.com/volcengine/verl"
-    assert re.fullmatch(r"[0-9a-f]{40}", ref["commit"])
+    assert "commit" not in ref
+    assert re.fullmatch(r"[0-9]+(\.[0-9]+)+", ref["release"])
+    assert ref["wheel"] == f"verl-{ref['release']}-py3-none-any.whl"
+    assert re.fullmatch(r"[0-9a-f]{64}", ref["wheel_sha256"])
     assert set(ref["files"]) == set(STORED) - {"REFERENCE.json"}
     for name, digest in ref["files"].items():
         assert hashlib.sha256((DATA / name).read_bytes()).hexdigest() == digest, name
@@ -351,3 +351,93 @@ def test_refresh_needs_a_commit_for_a_plain_work_tree(refresh: ModuleType, tmp_p
         refresh.main(["--verl", str(checkout), "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="40-digit"):
         refresh.main(["--verl", str(checkout), "--out", str(tmp_path / "out"), "--commit", "abc123"])
+
+
+def _synthetic_wheel(folder: Path, *, version: str, checkout: Path) -> Path:
+    """A wheel of the synthetic checkout's verl/ tree (with the dist-info a wheel carries)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"verl-{version}-py3-none-any.whl"
+    info = f"verl-{version}.dist-info"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path in sorted((checkout / "verl").rglob("*")):
+            if path.is_file():
+                zf.write(path, path.relative_to(checkout).as_posix())
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: verl\nVersion: {version}\n")
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_refresh_from_a_release_wheel_records_the_release(
+    refresh: ModuleType, tmp_path: Path, capsys
+) -> None:
+    checkout = _synthetic_checkout(tmp_path / "verl_checkout")
+    wheel = _synthetic_wheel(tmp_path / "wheels", version="9.8.7", checkout=checkout)
+    out = tmp_path / "out"
+    args = ["--verl-version", "9.8.7", "--wheel", str(wheel), "--out", str(out)]
+    assert refresh.main(args) == 0
+    ref = json.loads((out / "REFERENCE.json").read_text(encoding="utf-8"))
+    assert ref["release"] == "9.8.7" and "commit" not in ref and "commit_date" not in ref
+    assert ref["wheel"] == wheel.name
+    assert ref["wheel_sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert set(ref["sources"]) == {
+        "verl/trainer/config/other.py",
+        "verl/workers/config/__init__.py",
+        "verl/workers/config/base.py",
+        "verl/workers/config/child.py",
+    }
+    # The same tree as a checkout gives the same data files; only REFERENCE.json says where they came from.
+    as_checkout = tmp_path / "out_checkout"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert refresh.main(["--verl", str(checkout), "--commit", commit, "--out", str(as_checkout)]) == 0
+    for name in (*YAMLS, "dataclasses.json", "targets.json"):
+        assert (out / name).read_bytes() == (as_checkout / name).read_bytes(), name
+    assert refresh.main([*args, "--check"]) == 0
+    capsys.readouterr()
+    # Another wheel of the same version (a changed default) is stale data, and --check says so.
+    (checkout / "verl/workers/config/base.py").write_text(
+        textwrap.dedent(BASE_PY).replace("size: int = -1", "size: int = -7"), encoding="utf-8"
+    )
+    changed = _synthetic_wheel(tmp_path / "wheels2", version="9.8.7", checkout=checkout)
+    assert (
+        refresh.main(["--verl-version", "9.8.7", "--wheel", str(changed), "--out", str(out), "--check"]) == 1
+    )
+    diff = capsys.readouterr().out
+    assert '"wheel_sha256"' in diff and '"default": -7' in diff
+
+
+def test_refresh_downloads_the_release_wheel_with_pip(
+    refresh: ModuleType, tmp_path: Path, monkeypatch
+) -> None:
+    """--verl-version without --wheel runs `pip download verl==VERSION --no-deps` (here from a local folder)."""
+    checkout = _synthetic_checkout(tmp_path / "verl_checkout")
+    wheels = tmp_path / "index"
+    wheel = _synthetic_wheel(wheels, version="9.8.7", checkout=checkout)
+    _synthetic_wheel(wheels, version="9.8.6", checkout=checkout)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    out = tmp_path / "out"
+    assert refresh.main(["--verl-version", "9.8.7", "--out", str(out)]) == 0
+    ref = json.loads((out / "REFERENCE.json").read_text(encoding="utf-8"))
+    assert ref["release"] == "9.8.7" and ref["wheel"] == wheel.name
+    assert ref["wheel_sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    with pytest.raises(SystemExit, match="pip download verl==9.9.9 failed"):
+        refresh.main(["--verl-version", "9.9.9", "--out", str(out)])
+
+
+def test_refresh_refuses_a_bad_release_or_a_wheel_of_another_one(refresh: ModuleType, tmp_path: Path) -> None:
+    checkout = _synthetic_checkout(tmp_path / "verl_checkout")
+    wheel = _synthetic_wheel(tmp_path / "wheels", version="9.8.7", checkout=checkout)
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit, match="release such as 0.9.1"):
+        refresh.main(["--verl-version", "main", "--out", out])
+    with pytest.raises(SystemExit, match="not the wheel of verl 1.0.0"):
+        refresh.main(["--verl-version", "1.0.0", "--wheel", str(wheel), "--out", out])
+    with pytest.raises(SystemExit):
+        refresh.main(["--verl-version", "9.8.7", "--commit", "0" * 40, "--out", out])
+    with pytest.raises(SystemExit):
+        refresh.main(["--verl", str(checkout), "--verl-version", "9.8.7", "--out", out])

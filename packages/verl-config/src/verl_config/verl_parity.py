@@ -1,6 +1,6 @@
 """Key-by-key comparison of our schema with verl's own configuration, and the short list of differences we keep.
 
-:func:`compare_with_verl` lists every mismatch with the pinned verl commit (:data:`VERL_REFERENCE_COMMIT`); a test
+:func:`compare_with_verl` lists every mismatch with the pinned verl release (:data:`VERL_REFERENCE`); a test
 requires each to be covered by a row of :data:`INTENTIONAL_DIFFERENCES`, and each row to still be needed. The rules
 of the comparison are in the package README ("Same keys as verl, checked mechanically").
 """
@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
     "INTENTIONAL_DIFFERENCES",
-    "VERL_REFERENCE_COMMIT",
+    "VERL_REFERENCE",
     "Difference",
     "Mismatch",
     "annotation_kinds",
@@ -28,9 +28,9 @@ __all__ = [
     "unexplained",
 ]
 
-VERL_REFERENCE_COMMIT = (
-    "b178a3cd56f58b2d502255daba591e92833930a7"  # volcengine/verl main, 2026-01-29 (after v0.7.0)
-)
+# The verl release the schema tracks: its published wheel (verl==0.9.1 on PyPI) is the reference,
+# stored by scripts/refresh_verl_reference.py --verl-version 0.9.1 (REFERENCE.json names it).
+VERL_REFERENCE = "0.9.1"
 
 MISMATCH_KINDS = ("missing", "ours_only", "default", "type")
 
