@@ -7,9 +7,17 @@ Role sections that differ per engine come in two classes (``FSDPActorConfig`` / 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from verl_config.algorithm import LOSS_AGG_MODES, POLICY_LOSS_MODES, check_kl_type, registry_note
-from verl_config.engines import FSDPEngineConfig, FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
+from verl_config.engines import (
+    FSDPEngineConfig,
+    FSDPOptimConfig,
+    McoreEngineConfig,
+    McoreOptimConfig,
+    QATEngineConfig,
+    RouterReplayConfig,
+)
 from verl_config.errors import ConfigValueError
 from verl_config.model import ModelConfig
 from verl_config.profiler import ProfilerConfig
@@ -23,6 +31,7 @@ __all__ = [
     "FSDPActorConfig",
     "FSDPRefConfig",
     "McoreActorConfig",
+    "McoreCheckpointConfig",
     "McoreRefConfig",
     "PolicyLossConfig",
     "RefConfig",
@@ -37,6 +46,7 @@ class CheckpointConfig:
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     load_contents: list[str] = "${.save_contents}"  # type: ignore[assignment]
     async_save: bool = False
+    strict: bool = True
 
     def __post_init__(self) -> None:
         for key in ("save_contents", "load_contents"):
@@ -44,6 +54,13 @@ class CheckpointConfig:
             if isinstance(value, list):
                 for item in value:
                     check_choice(key, item, ("model", "optimizer", "extra", "hf_model"))
+
+
+@dataclass
+class McoreCheckpointConfig(CheckpointConfig):
+    """A Megatron role's checkpoint: ``mbridge_config`` holds keyword arguments for the bridge's HF export."""
+
+    mbridge_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,25 +73,23 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
 
     def __post_init__(self) -> None:
         registry_note("loss_mode", self.loss_mode, POLICY_LOSS_MODES)
+        if self.dro_beta is not None and self.dro_beta <= 0:
+            raise ConfigValueError(
+                "dro_beta", f"must be > 0 (the weight of DRO's quadratic penalty); got {self.dro_beta}"
+            )
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ConfigValueError(
+                "dro_beta",
+                "is null but loss_mode is 'dro'; set policy_loss.dro_beta to a value > 0 (e.g. 0.1)",
+            )
         if self.clip_cov_lb > self.clip_cov_ub:
             raise ConfigValueError(
                 "clip_cov_lb", f"({self.clip_cov_lb}) is above clip_cov_ub ({self.clip_cov_ub}); swap them"
             )
-
-
-@dataclass
-class RouterReplayConfig:
-    """MoE router replay (``actor.router_replay``): record / replay expert routing for determinism."""
-
-    mode: str = "disabled"
-    record_file: str | None = None
-    replay_file: str | None = None
-
-    def __post_init__(self) -> None:
-        check_choice("mode", self.mode, ("disabled", "R2", "R3"))
 
 
 @dataclass
@@ -100,6 +115,7 @@ class ActorConfig:
     loss_scale_factor: int | None = None
     entropy_coeff: float = 0.0
     calculate_entropy: bool = False
+    calculate_sum_pi_squared: bool = False
     use_kl_loss: bool = False
     use_prefix_grouper: bool = False
     use_torch_compile: bool = True
@@ -111,11 +127,13 @@ class ActorConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     use_fused_kernels: bool = "${actor_rollout_ref.model.use_fused_kernels}"  # type: ignore[assignment]
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    qat: QATEngineConfig = field(default_factory=QATEngineConfig)
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2", "megatron"))
-        check_positive_keys(self, "ppo_mini_batch_size", "ppo_epochs")
+        check_positive_keys(self, "ppo_mini_batch_size", "ppo_epochs", "entropy_from_logits_chunk_size")
         check_positive_keys(
             self,
             "ppo_micro_batch_size",
@@ -139,6 +157,13 @@ class ActorConfig:
             )
 
 
+def _fsdp_engine_following(role: str, **kwargs: Any) -> FSDPEngineConfig:
+    """A role's ``fsdp_config`` whose entropy and padding switches follow the role's own keys (as in verl)."""
+    follow = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size", "entropy_checkpointing")
+    tied = {key: f"${{actor_rollout_ref.{role}.{key}}}" for key in (*follow, "pad_to_length")}
+    return FSDPEngineConfig(**tied, **kwargs)  # type: ignore[arg-type]
+
+
 @dataclass
 class FSDPActorConfig(ActorConfig):
     """FSDP actor: ``fsdp_config`` section, Ulysses sequence parallel, torch.compile.
@@ -149,14 +174,12 @@ class FSDPActorConfig(ActorConfig):
 
     strategy: str = "fsdp"
     optim: FSDPOptimConfig = field(default_factory=FSDPOptimConfig)
-    fsdp_config: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
+    fsdp_config: FSDPEngineConfig = field(default_factory=lambda: _fsdp_engine_following("actor"))
     grad_clip: float | None = 1.0
     ulysses_sequence_parallel_size: int = 1
-    entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    pad_to_length: bool = False
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
-    calculate_sum_pi_squared: bool = False
-    sum_pi_squared_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -170,7 +193,7 @@ class McoreActorConfig(ActorConfig):
     strategy: str = "megatron"
     optim: McoreOptimConfig = field(default_factory=McoreOptimConfig)
     megatron: McoreEngineConfig = field(default_factory=McoreEngineConfig)
-    load_weight: bool = True
+    checkpoint: CheckpointConfig = field(default_factory=McoreCheckpointConfig)
 
 
 @dataclass
@@ -185,7 +208,8 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
     log_prob_max_token_len_per_gpu: int | None = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    entropy_from_logits_with_chunking: bool = "${actor_rollout_ref.actor.entropy_from_logits_with_chunking}"  # type: ignore[assignment]
+    entropy_from_logits_chunk_size: int = "${actor_rollout_ref.actor.entropy_from_logits_chunk_size}"  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2", "megatron"))
@@ -194,17 +218,24 @@ class RefConfig:
 @dataclass
 class FSDPRefConfig(RefConfig):
     strategy: str = "${actor_rollout_ref.actor.strategy}"
-    fsdp_config: FSDPEngineConfig = field(default_factory=lambda: FSDPEngineConfig(forward_only=True))
+    fsdp_config: FSDPEngineConfig = field(
+        default_factory=lambda: _fsdp_engine_following(
+            "ref",
+            forward_only=True,
+            pad_to_length_bucket="${actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket}",
+        )
+    )
     ulysses_sequence_parallel_size: int = "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}"  # type: ignore[assignment]
     entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
     entropy_checkpointing: bool = False
+    pad_to_length: bool = "${actor_rollout_ref.actor.pad_to_length}"  # type: ignore[assignment]
 
 
 @dataclass
 class McoreRefConfig(RefConfig):
     strategy: str = "megatron"
     megatron: McoreEngineConfig = field(default_factory=McoreEngineConfig)
-    load_weight: bool = True
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
-from verl_config.validation import check_choice, check_positive, check_unit_interval
+from verl_config.validation import check_choice, check_unit_interval
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -107,8 +107,9 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling (``algorithm.filter_groups``): drop groups whose ``metric`` does not vary."""
 
     enable: bool = False
-    metric: str | None = None
+    metric: str | None = "reward"
     max_num_gen_batches: int = 0
+    max_inflight_gen_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.enable and self.metric is None:
@@ -117,12 +118,36 @@ class FilterGroupsConfig:
             )
 
 
+def _threshold_bounds(key: str, spec: Any) -> tuple[float | None, float]:
+    """(lower, upper) of one threshold: a number (upper bound) or a ``"lower_upper"`` string such as ``"0.5_4.0"``."""
+    form = 'a positive number (upper bound) or a "lower_upper" string such as "0.5_4.0"'
+    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
+        raise ConfigValueError(key, f"must be {form}; got {spec!r}")
+    text = str(spec).strip()
+    lower_text, sep, upper_text = text.partition("_")
+    try:
+        lower, upper = (float(lower_text), float(upper_text)) if sep else (None, float(text))
+    except ValueError:
+        raise ConfigValueError(key, f"must be {form}; got {spec!r}") from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ConfigValueError(key, f"bounds must be positive; got {spec!r}")
+    if lower is not None and lower > upper:
+        raise ConfigValueError(key, f'lower bound above the upper one in {spec!r}; write it as "lower_upper"')
+    return lower, upper
+
+
 @dataclass
 class RolloutCorrectionConfig:
-    """Off-policy correction between rollout and training log-probs (``algorithm.rollout_correction``)."""
+    """Off-policy correction between rollout and training log-probs (``algorithm.rollout_correction``).
+
+    ``rollout_is_threshold`` is a number (truncated IS: clamp weights to it) or ``"lower_upper"`` (IcePop:
+    zero weights outside the range). ``rollout_rs`` may list several rejection options separated by commas;
+    ``rollout_rs_threshold`` then gives one threshold for all or one per option, each a number or
+    ``"lower_upper"``.
+    """
 
     rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: Any = 2.0
     rollout_rs: str | None = None
     rollout_rs_threshold: Any = None
     bypass_mode: bool = False
@@ -131,7 +156,32 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, ("ppo_clip", "reinforce"))
-        check_positive("rollout_is_threshold", self.rollout_is_threshold)
+        if self.rollout_is is not None:
+            check_choice("rollout_is", self.rollout_is, ("token", "sequence"))
+        _threshold_bounds("rollout_is_threshold", self.rollout_is_threshold)
+        if self.rollout_rs_threshold is not None:
+            specs = [part.strip() for part in str(self.rollout_rs_threshold).split(",") if part.strip()]
+            if not specs:
+                raise ConfigValueError(
+                    "rollout_rs_threshold", "is empty; give one threshold or one per rollout_rs option"
+                )
+            for spec in specs:
+                _threshold_bounds(
+                    "rollout_rs_threshold",
+                    spec if isinstance(self.rollout_rs_threshold, str) else self.rollout_rs_threshold,
+                )
+            options = [o.strip() for o in (self.rollout_rs or "").split(",") if o.strip()]
+            if options and len(specs) not in (1, len(options)):
+                raise ConfigValueError(
+                    "rollout_rs_threshold",
+                    f"has {len(specs)} thresholds for {len(options)} rollout_rs options ({self.rollout_rs});"
+                    " give one threshold for all or exactly one per option",
+                )
+        elif self.rollout_rs is not None:
+            raise ConfigValueError(
+                "rollout_rs_threshold",
+                f"is null but rollout_rs is {self.rollout_rs!r}; rejection sampling needs a threshold",
+            )
 
 
 @dataclass
@@ -145,7 +195,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_pf_ppo: bool = False
     pf_ppo: dict[str, Any] = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
-    filter_groups: FilterGroupsConfig | None = None
+    filter_groups: FilterGroupsConfig | None = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig | None = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:

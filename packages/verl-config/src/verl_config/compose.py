@@ -31,7 +31,6 @@ from verl_config.lora import (
 from verl_config.notes import defaults_only, warn_once
 from verl_config.overrides import Override, parse_override
 from verl_config.ppo import MODEL_ENGINES, TrainerConfig
-from verl_config.reward import McoreRewardModelConfig
 from verl_config.rollout import McoreRolloutConfig
 from verl_config.tree_cache import cached_bytes
 
@@ -61,6 +60,8 @@ _REF_FOLLOWS_ACTOR = (
     "dynamic_context_parallel",
     "max_seqlen_per_dp_cp_rank",
     "packed_attention_backend",
+    "pad_to_length",
+    "pad_to_length_bucket",
 )
 
 
@@ -92,7 +93,6 @@ def _build_tree(model_engine: str) -> bytes:
                     actor=McoreActorConfig(), ref=McoreRefConfig(), rollout=McoreRolloutConfig()
                 ),
                 critic=McoreCriticConfig(),
-                reward_model=McoreRewardModelConfig(),
             )
             cfg = OmegaConf.structured(root)
             _select_megatron(cfg)
@@ -104,12 +104,14 @@ def _build_tree(model_engine: str) -> bytes:
 def _select_megatron(cfg: DictConfig) -> None:
     """Set every Megatron-specific default that is not a class default of the Megatron role sections."""
     arr = cfg.actor_rollout_ref
-    arr.model.use_remove_padding = False  # verl's megatron default (bshd); the unification flipped it
     for model in (arr.model, cfg.critic.model):
         model.override_config = {"model_config": {}, "moe_config": {"freeze_moe_router": False}}
     arr.ref.megatron.forward_only = True  # the reference policy never trains: no DDP wrapper
     for key in _REF_FOLLOWS_ACTOR:
         arr.ref.megatron[key] = f"${{actor_rollout_ref.actor.megatron.{key}}}"
+    for key in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size"):
+        for role in (arr.actor, arr.ref):  # both follow the actor's key (verl)
+            role.megatron[key] = f"${{actor_rollout_ref.actor.{key}}}"
     for section, prefix in ((arr.actor, "ppo_"), (cfg.critic, "ppo_"), (arr.ref, "log_prob_")):
         engine = section.megatron
         engine.use_dynamic_bsz = (
@@ -232,8 +234,10 @@ def _show(value: Any) -> str:
 
 
 def _migrate_legacy_spellings(cfg: DictConfig, *, explicit: set[str]) -> None:
-    """verl's deprecated FSDP spellings: ``grad_clip`` -> ``optim.clip_grad``, ``optim.warmup_style`` ->
-    ``optim.lr_scheduler_type`` (of the actor and the critic)."""
+    """verl's deprecated spellings: ``grad_clip`` -> ``optim.clip_grad``, ``optim.warmup_style`` ->
+    ``optim.lr_scheduler_type`` (of the actor and the critic), and the pre-0.9 reward sections
+    (``reward_model``, ``custom_reward_function``, ``sandbox_fusion``) -> ``reward`` (verl's
+    migrate_legacy_reward_impl)."""
     for role in ("actor_rollout_ref.actor", "critic"):
         # grad_clip defaults to 1.0 like clip_grad, so its default must not overwrite a given clip_grad
         _move_spelling(
@@ -246,6 +250,38 @@ def _migrate_legacy_spellings(cfg: DictConfig, *, explicit: set[str]) -> None:
             explicit=explicit,
             clear=True,
         )
+    for legacy, canonical in _LEGACY_REWARD_KEYS:
+        _move_spelling(cfg, legacy=legacy, canonical=canonical, explicit=explicit, clear=True)
+    rollout = cfg.reward_model.rollout
+    for key in list(rollout):
+        _move_spelling(
+            cfg,
+            legacy=f"reward_model.rollout.{key}",
+            canonical=f"reward.reward_model.rollout.{key}",
+            explicit=explicit,
+            clear=True,
+        )
+
+
+# pre-0.9 reward keys (null = not given) and where verl 0.9 reads them
+_LEGACY_REWARD_KEYS = (
+    ("reward_model.num_workers", "reward.num_workers"),
+    ("reward_model.reward_manager", "reward.reward_manager.name"),
+    ("reward_model.reward_loop_source", "reward.reward_manager.source"),
+    ("reward_model.reward_loop_module_path", "reward.reward_manager.module.path"),
+    ("reward_model.reward_loop_class_name", "reward.reward_manager.module.name"),
+    ("reward_model.enable", "reward.reward_model.enable"),
+    ("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool"),
+    ("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node"),
+    ("reward_model.nnodes", "reward.reward_model.nnodes"),
+    ("reward_model.model.path", "reward.reward_model.model_path"),
+    ("reward_model.reward_kwargs", "reward.reward_kwargs"),
+    ("custom_reward_function.path", "reward.custom_reward_function.path"),
+    ("custom_reward_function.name", "reward.custom_reward_function.name"),
+    ("sandbox_fusion.url", "reward.sandbox_fusion.url"),
+    ("sandbox_fusion.max_concurrent", "reward.sandbox_fusion.max_concurrent"),
+    ("sandbox_fusion.memory_limit_mb", "reward.sandbox_fusion.memory_limit_mb"),
+)
 
 
 def _move_spelling(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from verl_config.actor import CheckpointConfig
+from verl_config.actor import CheckpointConfig, McoreCheckpointConfig
 from verl_config.algorithm import LOSS_AGG_MODES
-from verl_config.engines import FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
+from verl_config.engines import FSDPEngineConfig, FSDPOptimConfig, McoreEngineConfig, McoreOptimConfig
 from verl_config.errors import ConfigValueError
-from verl_config.model import CriticModelConfig, FSDPCriticModelConfig
+from verl_config.model import CriticModelConfig
 from verl_config.profiler import ProfilerConfig
 from verl_config.validation import check_choice, check_positive
 
@@ -33,8 +33,10 @@ class CriticConfig:
     data_loader_seed: int | None = 42
     cliprange_value: float = 0.5
     loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"
+    loss_scale_factor: int | None = "${actor_rollout_ref.actor.loss_scale_factor}"  # type: ignore[assignment]
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2", "megatron"))
@@ -52,7 +54,7 @@ class CriticConfig:
 class FSDPCriticConfig(CriticConfig):
     strategy: str = "fsdp"
     optim: FSDPOptimConfig = field(default_factory=lambda: FSDPOptimConfig(lr=1e-5))
-    model: FSDPCriticModelConfig = field(default_factory=FSDPCriticModelConfig)
+    fsdp: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
     forward_micro_batch_size: int | None = "${.ppo_micro_batch_size}"  # type: ignore[assignment]
     forward_micro_batch_size_per_gpu: int | None = "${.ppo_micro_batch_size_per_gpu}"  # type: ignore[assignment]
     ulysses_sequence_parallel_size: int = 1
@@ -68,7 +70,6 @@ class McoreCriticConfig(CriticConfig):
     strategy: str = "megatron"
     optim: McoreOptimConfig = field(default_factory=lambda: McoreOptimConfig(lr=1e-5))
     megatron: McoreEngineConfig = field(default_factory=McoreEngineConfig)
-    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=McoreCheckpointConfig)
     data_loader_seed: int | None = "${actor_rollout_ref.actor.data_loader_seed}"  # type: ignore[assignment]
     nccl_timeout: int = 600
-    load_weight: bool = True

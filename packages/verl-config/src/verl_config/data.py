@@ -29,6 +29,7 @@ class DataConfig:
     gen_batch_size: int | None = None
     val_batch_size: int | None = None
     tool_config_path: str | None = "${actor_rollout_ref.rollout.multi_turn.tool_config_path}"
+    function_tool_path: str | None = "${actor_rollout_ref.rollout.multi_turn.function_tool_path}"
     return_raw_input_ids: bool = False
     return_raw_chat: bool = True
     return_full_prompt: bool = False
@@ -42,12 +43,12 @@ class DataConfig:
     truncation: str = "error"
     image_key: str = "images"
     video_key: str = "videos"
+    audio_key: str = "audios"
     trust_remote_code: bool = False
     custom_cls: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
     return_multi_modal_inputs: bool = True
-    sampler: dict[str, Any] = field(default_factory=lambda: {"class_path": None, "class_name": None})
-    datagen: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_positive_keys(

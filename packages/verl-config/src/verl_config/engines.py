@@ -24,11 +24,14 @@ from verl_config.validation import (
 __all__ = [
     "DTYPES",
     "MEGATRON_FSDP_SHARDING_STRATEGIES",
+    "QAT_MODES",
     "FSDPEngineConfig",
     "FSDPOptimConfig",
     "McoreEngineConfig",
     "McoreLayoutConfig",
     "McoreOptimConfig",
+    "QATEngineConfig",
+    "RouterReplayConfig",
     "megatron_optimizer_kwargs",
 ]
 
@@ -39,6 +42,72 @@ _RECOMPUTE_METHOD = (None, "uniform", "block")
 _ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # Attention of the packed (THD) path (verl-dyncp): torch kernels, or Transformer Engine's when installed.
 PACKED_ATTENTION_BACKENDS = ("auto", "varlen", "cudnn", "sdpa", "te")
+
+
+QAT_MODES = ("w4a16", "w4a4")
+# dtypes megatron-core's precision-aware optimizer keeps its state in (verl's accepted spellings)
+_OPTIM_STATE_DTYPES = ("fp32", "float32", "32", "bf16", "bfloat16")
+_QAT_OBSERVERS = (None, "static_minmax", "memoryless_minmax", "minmax")
+
+
+@dataclass
+class QATEngineConfig:
+    """Quantization-aware training of an engine (``fsdp_config.qat`` / ``megatron.qat``, off by default).
+
+    ``mode`` is w4a16 (4-bit weights) or w4a4 (4-bit weights and activations); weights are quantized in
+    blocks of ``group_size``; modules matching ``ignore_patterns`` stay in full precision;
+    ``activation_observer`` sets the activations' global scale (w4a4 only); ``quantization_config_path``
+    is the JSON the rollout engine reads.
+    """
+
+    enable: bool = False
+    mode: str = "w4a16"
+    group_size: int = 16
+    ignore_patterns: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"])
+    activation_observer: str | None = "static_minmax"
+    quantization_config_path: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, QAT_MODES)
+        check_positive("group_size", self.group_size)
+
+
+@dataclass
+class RouterReplayConfig:
+    """MoE router replay of an engine (``megatron.router_replay``): record / replay expert routing (R2, R3)."""
+
+    mode: str = "disabled"
+    record_file: str | None = None
+    replay_file: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, ("disabled", "R2", "R3"))
+
+
+def _mcore_qat() -> QATEngineConfig:
+    """verl's megatron yaml: the gate pattern in megatron's module naming, no activation observer."""
+    return QATEngineConfig(ignore_patterns=["lm_head", "*mlp.gate"], activation_observer=None)
+
+
+def _default_turbo_config() -> dict[str, Any]:
+    """verl's ``fsdp_config.turbo_config`` (the layout of its fsdp_turbo strategy)."""
+    return {
+        "distributed": {
+            "fully_shard_parallel_size": 16,
+            "tensor_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "expert_fully_shard_parallel_size": 1,
+            "ulysses_parallel_size": 1,
+            "fsdp_plan": {
+                "param_dtype": "bf16",
+                "reduce_dtype": "fp32",
+                "output_dtype": "bf16",
+                "fsdp_implementation": "native",
+                "num_to_forward_prefetch": 1,
+                "num_to_backward_prefetch": 1,
+            },
+        }
+    }
 
 
 def _default_override_transformer_config() -> dict[str, Any]:
@@ -107,16 +176,25 @@ class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     packed_attention_backend: str = "auto"
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
+    pad_bshd_to_minibatch_max: bool = True
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 512
+    dist_ckpt_optim_fully_reshardable: bool = False
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
     seed: int = 42
     override_ddp_config: dict[str, Any] = field(default_factory=dict)
     override_transformer_config: dict[str, Any] = field(default_factory=_default_override_transformer_config)
     override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
     use_mbridge: bool = True
-    vanilla_mbridge: bool = True
+    vanilla_mbridge: bool = False
     use_remove_padding: bool = True
     forward_only: bool = False
     dtype: str = "bfloat16"
     use_megatron_fsdp: bool = False
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    qat: QATEngineConfig = field(default_factory=_mcore_qat)
     use_dynamic_bsz: bool = True
     max_token_len_per_gpu: int | None = None
     micro_batch_size_per_gpu: int | None = None
@@ -326,7 +404,7 @@ class McoreEngineConfig(McoreLayoutConfig, _McoreStateOffload):
 
 @dataclass
 class FSDPEngineConfig:
-    """The FSDP engine section (``actor_rollout_ref.actor.fsdp_config``, ``critic.model.fsdp_config`` ...)."""
+    """The FSDP engine section (``actor_rollout_ref.actor.fsdp_config``, ``critic.fsdp`` ...)."""
 
     wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
     param_offload: bool = False
@@ -341,14 +419,21 @@ class FSDPEngineConfig:
     full_determinism: bool = False
     ulysses_sequence_parallel_size: int = 1
     entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
     use_torch_compile: bool = True
     entropy_checkpointing: bool = False
+    use_no_sync_for_gradient_accumulation: bool = False
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 1024
     forward_only: bool = False
     strategy: str = "fsdp"
     dtype: str = "bfloat16"
+    qat: QATEngineConfig = field(default_factory=QATEngineConfig)
+    turbo_config: dict[str, Any] = field(default_factory=_default_turbo_config)
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, ("fsdp", "fsdp2"))
+        check_positive_keys(self, "entropy_from_logits_chunk_size", "pad_to_length_bucket")
         check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
         if self.fsdp_size != -1:
             check_positive("fsdp_size", self.fsdp_size)
@@ -402,6 +487,7 @@ class FSDPOptimConfig:
     clip_grad: float = 1.0
     total_training_steps: int = -1
     override_optimizer_config: dict[str, Any] | None = None
+    zero_indexed_step: bool = True
 
     def __post_init__(self) -> None:
         _check_optim_common(self)
@@ -432,15 +518,37 @@ class McoreOptimConfig:
     clip_grad: float = 1.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     total_training_steps: int = -1
+    # precision-aware optimizer: dtypes of the main grads and of Adam's two moments
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    # Muon (optimizer=muon, through megatron-core's emerging optimizers); ignored by adam / sgd
+    use_layer_wise_distributed_optimizer: bool = False
+    use_layer_wise_param_layout: bool | None = None
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
+    muon_match_adamw_update_rms: bool = False
     override_optimizer_config: dict[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_optim_common(self)
-        if self.optimizer not in ("adam", "sgd") and adjusting():
+        for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            check_choice(key, str(getattr(self, key)), _OPTIM_STATE_DTYPES)
+        check_positive("muon_num_ns_steps", self.muon_num_ns_steps)
+        if self.optimizer not in ("adam", "sgd", "muon") and adjusting():
             note(
                 "optimizer",
-                f"{self.optimizer!r} is not one of megatron-core 0.14's ('adam', 'sgd'); newer releases"
-                " may provide it",
+                f"{self.optimizer!r} is not one of megatron-core's ('adam', 'sgd', 'muon' through its emerging"
+                " optimizers); newer releases may provide it",
             )
         check_choice(
             "lr_decay_style",

@@ -1,4 +1,4 @@
-"""Model sections: ``actor_rollout_ref.model`` (with MTP) and ``critic.model`` per engine.
+"""Model sections: ``actor_rollout_ref.model`` (with MTP) and ``critic.model`` (the same keys, both engines).
 
 ``lora`` is the canonical LoRA spelling on every model section (verl's dataclasses carry it on
 both engines). The flat keys ``lora_rank`` / ``lora_alpha`` / ``target_modules`` /
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_config.engines import FSDPEngineConfig
 from verl_config.errors import ConfigValueError
 from verl_config.lora import LoraConfig
 from verl_config.validation import check_choice, check_positive, check_positive_keys
@@ -20,7 +19,6 @@ from verl_config.validation import check_choice, check_positive, check_positive_
 __all__ = [
     "BaseModelConfig",
     "CriticModelConfig",
-    "FSDPCriticModelConfig",
     "ModelConfig",
     "MtpConfig",
     "TiledMLPConfig",
@@ -42,8 +40,8 @@ class MtpConfig:
     detach_encoder: bool = False
     mtp_loss_scaling_factor: float = 0.1
     speculative_algorithm: str = "EAGLE"
-    speculative_num_steps: int = 2
-    speculative_eagle_topk: int = 2
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
     method: str = "mtp"
     num_speculative_tokens: int = 1
@@ -121,25 +119,11 @@ class ModelConfig(BaseModelConfig):
 
 
 @dataclass
-class CriticModelConfig(BaseModelConfig):
-    """The critic's model (``critic.model``; the Megatron engine's whole section): it follows the actor's model."""
+class CriticModelConfig(ModelConfig):
+    """The critic's model (``critic.model``, both engines): a full model section that follows the actor's model
+    (path, tokenizer, remote code and external library) unless set."""
 
     path: str = "${actor_rollout_ref.model.path}"
     tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
     external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
     trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
-
-
-@dataclass
-class FSDPCriticModelConfig(CriticModelConfig):
-    """The critic's model with the FSDP engine: the same keys plus ``fsdp_config`` and FSDP's model options."""
-
-    fsdp_config: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
-    use_shm: bool = False
-    enable_gradient_checkpointing: bool = True
-    enable_activation_offload: bool = False
-    use_remove_padding: bool = False
-    lora_rank: int | None = None
-    lora_alpha: float | None = None
-    target_modules: Any = None
-    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)

@@ -20,7 +20,6 @@ from verl_config.actor import (
     McoreRefConfig,
     PolicyLossConfig,
     RefConfig,
-    RouterReplayConfig,
 )
 from verl_config.algorithm import (
     ADV_ESTIMATORS,
@@ -34,19 +33,22 @@ from verl_config.algorithm import (
 )
 from verl_config.critic import CriticConfig, FSDPCriticConfig, McoreCriticConfig
 from verl_config.data import DataConfig
+from verl_config.distillation import DistillationConfig
+from verl_config.engines import RouterReplayConfig
 from verl_config.errors import ConfigValueError, ErrorCollector
 from verl_config.model import ModelConfig
 from verl_config.notes import adjusting, note
 from verl_config.ppo_rules import check_batches, check_engine_ties, check_remove_padding, check_role_layout
 from verl_config.profiler import GlobalProfilerConfig
 from verl_config.reward import (
-    CustomRewardFunctionConfig,
-    FSDPRewardModelConfig,
-    RewardManagerConfig,
-    RewardModelConfig,
+    LegacyCustomRewardFunctionConfig,
+    LegacyRewardModelConfig,
+    LegacySandboxFusionConfig,
+    RewardConfig,
 )
 from verl_config.rollout import RolloutConfig
 from verl_config.run import RayKwargsConfig, RunConfig, TransferQueueConfig
+from verl_config.skip import SkipConfig
 from verl_config.validation import check_choice
 
 __all__ = [
@@ -101,13 +103,18 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=FSDPCriticConfig)
-    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
-    reward_model: RewardModelConfig = field(default_factory=FSDPRewardModelConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    custom_reward_function: LegacyCustomRewardFunctionConfig = field(
+        default_factory=LegacyCustomRewardFunctionConfig
+    )
+    reward_model: LegacyRewardModelConfig = field(default_factory=LegacyRewardModelConfig)
+    sandbox_fusion: LegacySandboxFusionConfig = field(default_factory=LegacySandboxFusionConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     trainer: RunConfig = field(default_factory=RunConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
-    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    skip: SkipConfig = field(default_factory=SkipConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
 
     @property

@@ -49,8 +49,8 @@ def check_role_layout(*, path: str, role: Any, world: int) -> int:
             f"{path}.ulysses_sequence_parallel_size", f"({sp}) does not divide the world size {world}"
         )
     fsdp_path, fsdp = f"{path}.fsdp_config", getattr(role, "fsdp_config", None)
-    if fsdp is None and hasattr(role, "model"):  # the FSDP critic keeps it under model
-        fsdp_path, fsdp = f"{path}.model.fsdp_config", getattr(role.model, "fsdp_config", None)
+    if fsdp is None and hasattr(role, "fsdp"):  # the FSDP critic's section is ``critic.fsdp``
+        fsdp_path, fsdp = f"{path}.fsdp", role.fsdp
     if fsdp is not None and fsdp.fsdp_size != -1 and world % fsdp.fsdp_size:
         raise ConfigValueError(
             f"{fsdp_path}.fsdp_size", f"({fsdp.fsdp_size}) does not divide the world size {world}"

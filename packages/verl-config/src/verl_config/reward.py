@@ -1,8 +1,13 @@
-"""Reward sections: ``reward_model`` (per engine), ``reward_manager`` and ``custom_reward_function``.
+"""The ``reward`` section (verl 0.9) and the legacy reward sections it replaced.
 
-Rule-based rewards (``custom_reward_function``, ``reward_manager``) need no model; ``reward_model``
-describes a model-based reward served either by a training engine or by a rollout engine
-(``use_reward_loop``). verl's keys and defaults; the engine-specific parts follow ``model_engine``.
+``reward`` holds everything about scoring responses: the rule-based function
+(``custom_reward_function``), the reward manager that turns scores into token rewards
+(``reward_manager``), an optional model-based reward served by a rollout engine (``reward_model``)
+and remote code execution (``sandbox_fusion``). verl 0.9 moved these out of the top-level
+``reward_model`` / ``custom_reward_function`` / ``sandbox_fusion`` sections; those remain as legacy
+spellings whose keys default to null ("not given"). A given legacy value is moved to its place under
+``reward`` with a warning when the config is loaded (:mod:`verl_config.compose`), as verl's own
+migration does.
 """
 
 from __future__ import annotations
@@ -10,21 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_config.engines import DTYPES, McoreLayoutConfig
 from verl_config.errors import ConfigValueError
-from verl_config.profiler import ProfilerConfig
+from verl_config.rollout import DisaggregationConfig
 from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
 __all__ = [
     "CustomRewardFunctionConfig",
-    "FSDPRewardModelConfig",
-    "FSDPRewardModelModelConfig",
-    "McoreRewardEngineConfig",
-    "McoreRewardModelConfig",
-    "RewardFSDPConfig",
+    "LegacyCustomRewardFunctionConfig",
+    "LegacyRewardModelConfig",
+    "LegacySandboxFusionConfig",
+    "RewardConfig",
     "RewardManagerConfig",
     "RewardModelConfig",
-    "RewardModelModelConfig",
+    "RewardModuleConfig",
     "RewardRolloutConfig",
     "SandboxFusionConfig",
 ]
@@ -39,18 +42,24 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class RewardModuleConfig:
+    """A class to import: ``name`` in the Python file ``path``."""
+
+    path: str | None = None
+    name: str | None = "custom_reward_manager"
+
+
+@dataclass
 class RewardManagerConfig:
-    """``reward_manager``: which reward manager turns scores into token rewards."""
+    """``reward.reward_manager``: a registered manager (``source=register``) or one imported from a file."""
 
     source: str = "register"
-    name: str = "${reward_model.reward_manager}"
-    module: dict[str, Any] | None = field(
-        default_factory=lambda: {"path": None, "name": "custom_reward_manager"}
-    )
+    name: str = "naive"
+    module: RewardModuleConfig | None = field(default_factory=RewardModuleConfig)
 
     def __post_init__(self) -> None:
         check_choice("source", self.source, ("register", "importlib"))
-        if self.source == "importlib" and not (self.module or {}).get("path"):
+        if self.source == "importlib" and not (self.module and self.module.path):
             raise ConfigValueError(
                 "module.path",
                 "is null but source is 'importlib'; give the file that defines the reward manager",
@@ -59,7 +68,7 @@ class RewardManagerConfig:
 
 @dataclass
 class SandboxFusionConfig:
-    """Remote code execution for code rewards (``reward_model.sandbox_fusion``)."""
+    """Remote code execution for code rewards (``reward.sandbox_fusion``)."""
 
     url: str | None = None
     max_concurrent: int = 64
@@ -72,7 +81,7 @@ class SandboxFusionConfig:
 
 @dataclass
 class RewardRolloutConfig:
-    """The rollout engine that serves a reward model with ``use_reward_loop`` (``reward_model.rollout``)."""
+    """The rollout engine that serves a reward model (``reward.reward_model.rollout``); verl's defaults."""
 
     name: str | None = "vllm"
     dtype: str = "bfloat16"
@@ -83,158 +92,172 @@ class RewardRolloutConfig:
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     tensor_model_parallel_size: int = 2
+    pipeline_model_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     max_num_seqs: int = 1024
     load_format: str = "auto"
+    layered_summon: bool = False
+    scheduling_policy: str | None = "fcfs"
+    full_determinism: bool = False
+    seed: int = 42
+    multi_stage_wake_up: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     limit_images: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     disable_log_stats: bool = True
     skip_tokenizer_init: bool = False
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
     prompt_length: int = 2048
     response_length: int = 2048
+    quantization: str | None = None
+    quantization_config_file: str | None = None
+    mtp: Any = None
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
         check_unit_interval("gpu_memory_utilization", self.gpu_memory_utilization, open_low=True)
-        check_positive_keys(self, "data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size")
-
-
-@dataclass
-class RewardModelModelConfig:
-    """The reward model itself (``reward_model.model``)."""
-
-    input_tokenizer: str | None = "${actor_rollout_ref.model.path}"
-    path: str = "~/models/FsfairX-LLaMA3-RM-v0.1"
-    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
-    trust_remote_code: bool = False
-    override_config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RewardFSDPConfig:
-    """FSDP wrapping of a reward model (``reward_model.model.fsdp_config``; forward only, no optimizer)."""
-
-    wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
-    param_offload: bool = False
-    reshard_after_forward: bool = True
-    fsdp_size: int = -1
-    forward_prefetch: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fsdp_size != -1:
-            check_positive("fsdp_size", self.fsdp_size)
-
-
-@dataclass
-class FSDPRewardModelModelConfig(RewardModelModelConfig):
-    use_shm: bool = False
-    use_remove_padding: bool = False
-    use_fused_kernels: bool = "${actor_rollout_ref.model.use_fused_kernels}"  # type: ignore[assignment]
-    fsdp_config: RewardFSDPConfig = field(default_factory=RewardFSDPConfig)
-
-
-_ACTOR_MCORE = "actor_rollout_ref.actor.megatron"
-
-
-@dataclass
-class McoreRewardEngineConfig(McoreLayoutConfig):
-    """Megatron layout of a reward model (``reward_model.megatron``; forward only, no optimizer state)."""
-
-    use_distributed_optimizer: bool = False
-    seed: int = f"${{{_ACTOR_MCORE}.seed}}"  # type: ignore[assignment]
-    override_transformer_config: dict[str, Any] = f"${{{_ACTOR_MCORE}.override_transformer_config}}"  # type: ignore[assignment]
-    use_mbridge: bool = f"${{{_ACTOR_MCORE}.use_mbridge}}"  # type: ignore[assignment]
-    vanilla_mbridge: bool = f"${{{_ACTOR_MCORE}.vanilla_mbridge}}"  # type: ignore[assignment]
-    use_remove_padding: bool = f"${{{_ACTOR_MCORE}.use_remove_padding}}"  # type: ignore[assignment]
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choice("dtype", self.dtype, DTYPES)
-
-
-def _reward_profiler() -> ProfilerConfig:
-    return ProfilerConfig(tool_config="${actor_rollout_ref.actor.profiler.tool_config}")  # type: ignore[arg-type]
+        check_positive_keys(
+            self,
+            "data_parallel_size",
+            "expert_parallel_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "n",
+        )
 
 
 @dataclass
 class RewardModelConfig:
-    """Model-based reward (off by default)."""
+    """A model-based reward (``reward.reward_model``, off by default), served by ``rollout``.
+
+    With ``enable_resource_pool`` it gets its own ``nnodes`` x ``n_gpus_per_node`` GPUs; otherwise it
+    shares the trainer's.
+    """
 
     enable: bool = False
     enable_resource_pool: bool = False
     n_gpus_per_node: int = 8
     nnodes: int = 0
-    strategy: str = "fsdp"
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size: int | None = None
-    micro_batch_size_per_gpu: int | None = None
-    max_length: int | None = None
-    use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # type: ignore[assignment]
-    forward_max_token_len_per_gpu: int | None = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
-    reward_manager: str = "naive"
-    reward_loop_source: str = "register"
-    reward_loop_module_path: str | None = None
-    reward_loop_class_name: str | None = None
-    launch_reward_fn_async: bool = False
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
-    profiler: ProfilerConfig = field(default_factory=_reward_profiler)
-    use_reward_loop: bool = True
-    num_workers: int = 1
+    model_path: str | None = None
     rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
 
     def __post_init__(self) -> None:
-        check_choice("reward_loop_source", self.reward_loop_source, ("register", "importlib"))
         check_positive("nnodes", self.nnodes, allow_zero=True)
         check_positive("n_gpus_per_node", self.n_gpus_per_node)
-        check_positive("num_workers", self.num_workers)
         if self.enable_resource_pool and self.nnodes == 0:
             raise ConfigValueError(
                 "nnodes",
                 "is 0 but enable_resource_pool is true; give the reward model's own nodes (nnodes x n_gpus_per_node)",
             )
-        if self.micro_batch_size is not None and self.micro_batch_size_per_gpu is not None:
+        if self.enable and not self.model_path:
             raise ConfigValueError(
-                "micro_batch_size",
-                f"and micro_batch_size_per_gpu are both set ({self.micro_batch_size}, {self.micro_batch_size_per_gpu});"
-                " micro_batch_size is the deprecated global spelling, keep micro_batch_size_per_gpu only",
+                "model_path", "is null but enable is true; give the reward model (a local path or a hub name)"
             )
-        if self.enable and not self.use_dynamic_bsz and not self.use_reward_loop:
-            if self.micro_batch_size is None and self.micro_batch_size_per_gpu is None:
-                raise ConfigValueError(
-                    "micro_batch_size_per_gpu",
-                    "is null while enable is true, use_dynamic_bsz is false and use_reward_loop is false; set"
-                    " reward_model.micro_batch_size_per_gpu (or use_dynamic_bsz=true)",
-                )
 
 
 @dataclass
-class FSDPRewardModelConfig(RewardModelConfig):
-    """A reward model on the FSDP engine."""
+class RewardConfig:
+    """``reward``: how responses are scored. ``reward_kwargs`` are extra keyword arguments of the reward
+    manager (DAPO's overlong buffer lives there)."""
 
-    strategy: str = "fsdp"
-    model: FSDPRewardModelModelConfig = field(default_factory=FSDPRewardModelModelConfig)
-    ulysses_sequence_parallel_size: int = 1
+    num_workers: int = 8
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choice("strategy", self.strategy, ("fsdp", "fsdp2"))
-        check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
+        check_positive("num_workers", self.num_workers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Legacy spellings (null = not given); compose moves given values under ``reward``
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class McoreRewardModelConfig(RewardModelConfig):
-    """A reward model on the Megatron engine (its parallel layout in ``megatron``)."""
+class LegacyCustomRewardFunctionConfig:
+    """Top-level ``custom_reward_function`` (legacy): now ``reward.custom_reward_function``."""
 
-    strategy: str = "megatron"
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    nccl_timeout: int = 600
-    megatron: McoreRewardEngineConfig = field(default_factory=McoreRewardEngineConfig)
-    load_weight: bool = True
+    path: str | None = None
+    name: str | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choice("strategy", self.strategy, ("megatron",))
+
+@dataclass
+class LegacySandboxFusionConfig:
+    """Top-level ``sandbox_fusion`` (legacy): now ``reward.sandbox_fusion``."""
+
+    url: str | None = None
+    max_concurrent: int | None = None
+    memory_limit_mb: int | None = None
+
+
+@dataclass
+class LegacyRewardModelModelConfig:
+    """``reward_model.model`` (legacy): ``path`` is now ``reward.reward_model.model_path``; verl 0.9 reads
+    neither ``external_lib`` nor ``trust_remote_code`` of the reward model any more."""
+
+    path: str | None = None
+    external_lib: str | None = None
+    trust_remote_code: bool | None = None
+
+
+@dataclass
+class LegacyRewardRolloutConfig:
+    """``reward_model.rollout`` (legacy): each given key moves to ``reward.reward_model.rollout``."""
+
+    name: str | None = None
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    free_cache_engine: bool | None = None
+    data_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    tensor_model_parallel_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    load_format: str | None = None
+    engine_kwargs: dict[str, Any] | None = None
+    limit_images: int | None = None
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
+    disable_log_stats: bool | None = None
+    skip_tokenizer_init: bool | None = None
+    prompt_length: int | None = None
+    response_length: int | None = None
+
+
+@dataclass
+class LegacyRewardModelConfig:
+    """Top-level ``reward_model`` (legacy, verl < 0.9): every key defaults to null ("not given").
+
+    Where each given key goes: ``num_workers`` -> ``reward.num_workers``; ``reward_manager`` ->
+    ``reward.reward_manager.name``; ``reward_loop_source`` / ``reward_loop_module_path`` /
+    ``reward_loop_class_name`` -> ``reward.reward_manager.source`` / ``module.path`` / ``module.name``;
+    ``enable``, ``enable_resource_pool``, ``n_gpus_per_node``, ``nnodes`` -> the same keys of
+    ``reward.reward_model``; ``model.path`` -> ``reward.reward_model.model_path``; ``rollout.*`` ->
+    ``reward.reward_model.rollout.*``; ``reward_kwargs`` -> ``reward.reward_kwargs``.
+    """
+
+    num_workers: int | None = None
+    reward_manager: str | None = None
+    enable: bool | None = None
+    enable_resource_pool: bool | None = None
+    n_gpus_per_node: int | None = None
+    nnodes: int | None = None
+    reward_loop_source: str | None = None
+    reward_loop_module_path: str | None = None
+    reward_loop_class_name: str | None = None
+    model: LegacyRewardModelModelConfig = field(default_factory=LegacyRewardModelModelConfig)
+    rollout: LegacyRewardRolloutConfig = field(default_factory=LegacyRewardRolloutConfig)
+    reward_kwargs: dict[str, Any] | None = None

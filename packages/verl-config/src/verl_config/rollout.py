@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_config.errors import ConfigValueError
-from verl_config.profiler import ProfilerConfig
+from verl_config.profiler import ProfilerConfig, follower_profiler
 from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
 __all__ = [
     "ROLLOUT_NAMES",
     "AgentLoopConfig",
     "CheckpointEngineConfig",
+    "DisaggregationConfig",
     "FSDPRolloutConfig",
     "McoreRolloutConfig",
     "MultiTurnConfig",
@@ -54,7 +55,7 @@ class MultiTurnConfig:
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
-    interaction_config_path: str | None = None
+    function_tool_path: str | None = None
     use_inference_chat_template: bool = False
     tokenization_sanity_check_mode: str = "strict"
     format: str = "hermes"
@@ -91,6 +92,7 @@ class CheckpointEngineConfig:
     backend: str | None = "naive"
     update_weights_bucket_megabytes: int = 2048
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    custom_backend_module: str | None = None
 
     def __post_init__(self) -> None:
         check_positive("update_weights_bucket_megabytes", self.update_weights_bucket_megabytes)
@@ -103,6 +105,8 @@ class TraceConfig:
     backend: str | None = None
     token2text: bool = False
     max_samples_per_step_per_worker: int | None = None
+    project_name: str | None = "${trainer.project_name}"
+    experiment_name: str | None = "${trainer.experiment_name}"
 
     def __post_init__(self) -> None:
         if self.max_samples_per_step_per_worker is not None:
@@ -121,15 +125,44 @@ class PrometheusConfig:
     served_model_name: str | None = "${actor_rollout_ref.model.path}"
 
 
+_TRANSFER_BACKENDS = ("nixl", "mooncake", "ascend", "mori", "fake")
+_MOONCAKE_PROTOCOLS = ("nvlink", "local", "rdma", "tcp")
+
+
+@dataclass
+class DisaggregationConfig:
+    """Prefill / decode disaggregation of the serving engine (``rollout.disaggregation``, off by default).
+
+    The rules apply only when ``enabled`` (as in verl): at least one replica of each kind, a known KV
+    transfer backend, a TCP port for the bootstrap server.
+    """
+
+    enabled: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    decode_tensor_model_parallel_size: int | None = None
+    transfer_backend: str = "nixl"
+    bootstrap_port: int | None = None
+    ib_device: str | None = None
+    mooncake_protocol: str = "nvlink"
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        check_choice("transfer_backend", self.transfer_backend, _TRANSFER_BACKENDS)
+        check_positive_keys(self, "prefill_replicas", "decode_replicas")
+        check_positive_keys(self, "decode_tensor_model_parallel_size", optional=True)
+        if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
+            raise ConfigValueError(
+                "bootstrap_port", f"must be a TCP port (1..65535); got {self.bootstrap_port}"
+            )
+        if self.transfer_backend == "mooncake":
+            check_choice("mooncake_protocol", self.mooncake_protocol, _MOONCAKE_PROTOCOLS)
+
+
 def _rollout_profiler() -> ProfilerConfig:
     """The rollout's profiler block follows the actor's (verl's default)."""
-    actor = "actor_rollout_ref.actor.profiler"
-    return ProfilerConfig(
-        enable=f"${{{actor}.enable}}",  # type: ignore[arg-type]
-        all_ranks=f"${{{actor}.all_ranks}}",  # type: ignore[arg-type]
-        ranks=f"${{{actor}.ranks}}",  # type: ignore[arg-type]
-        tool_config=f"${{{actor}.tool_config}}",  # type: ignore[arg-type]
-    )
+    return follower_profiler("actor_rollout_ref.actor.profiler")
 
 
 @dataclass
@@ -138,6 +171,10 @@ class RolloutConfig:
 
     name: str | None = "vllm"
     mode: str = "async"
+    nnodes: int = 0
+    n_gpus_per_node: int = "${trainer.n_gpus_per_node}"  # type: ignore[assignment]
+    full_determinism: bool = False
+    seed: int = 42
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -173,12 +210,10 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}})
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    calculate_log_probs: bool = False
+    calculate_log_probs: bool = True
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
-    skip_rollout: bool = False
-    skip_dump_dir: str = "/tmp/rollout_dump"
     skip_tokenizer_init: bool = True
     enable_rollout_routing_replay: bool = False
     profiler: ProfilerConfig | None = field(default_factory=_rollout_profiler)
@@ -186,8 +221,18 @@ class RolloutConfig:
     quantization: str | None = None
     quantization_config_file: str | None = None
     mtp: Any = "${actor_rollout_ref.model.mtp}"
+    layered_summon: bool = False
+    router_config_path: str | None = None
+    moe_load_balance_metrics_interval: int = 0
+    # the actor engine's qat section, whichever engine it is (the FSDP one if present, else the Megatron one)
+    qat: Any = "${oc.select:actor_rollout_ref.actor.fsdp_config.qat,${oc.select:actor_rollout_ref.actor.megatron.qat,null}}"
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
+        check_positive("nnodes", self.nnodes, allow_zero=True)
+        check_positive(
+            "moe_load_balance_metrics_interval", self.moe_load_balance_metrics_interval, allow_zero=True
+        )
         if self.name is not None:  # null is accepted as by verl; a rollout needs a name to start
             check_choice("name", self.name, ROLLOUT_NAMES)
         if self.mode == "sync":
@@ -231,9 +276,7 @@ class RolloutConfig:
 
 @dataclass
 class FSDPRolloutConfig(RolloutConfig):
-    """Rollout with the FSDP engine: layered summon of the full weights for weight sync."""
-
-    layered_summon: bool = False
+    """Rollout with the FSDP engine (the same keys; the class marks the engine)."""
 
 
 @dataclass

@@ -66,12 +66,7 @@ class Mismatch:
         return f"[{self.engine}] {self.kind} {self.key}: verl={self.verl!r} ours={self.ours!r}"
 
 
-_PACKED_KEYS = (
-    "dynamic_context_parallel",
-    "max_seqlen_per_dp_cp_rank",
-    "packed_attention_backend",
-    "use_megatron_fsdp",
-)
+_PACKED_KEYS = ("packed_attention_backend", "grad_offload")
 
 # The whole list of intentional differences from verl (README "Differences from verl" renders it).
 INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
@@ -85,21 +80,20 @@ INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
         keys=tuple(f"*.megatron.{k}" for k in _PACKED_KEYS),
         kind="ours_only",
         engines=("megatron",),
-        reason="dynamic context parallelism on packed sequences (verl-dyncp) and Megatron-FSDP (verl-mfsdp),"
-        " which verl's Megatron engine does not have; all default to off.",
+        reason="the attention kernel of verl-dyncp's packed (THD) path, which verl's Megatron engine does not"
+        " have (default auto); grad_offload: verl 0.9 folded gradient offload into param_offload, verl-engine"
+        " still offloads gradients on their own (GRPO colocation; default off).",
     ),
     Difference(
-        keys=("trainer.val_only", "trainer.validation_data_dir"),
-        kind="ours_only",
-        engines=("megatron",),
-        reason="verl's ppo_trainer has them and its ppo_megatron_trainer does not; the trainer section here is"
-        " one for both engines.",
-    ),
-    Difference(
-        keys=("reward_model.reward_kwargs", "data.gen_batch_size", "trainer.remove_previous_ckpt_in_save"),
+        keys=(
+            "reward.reward_kwargs",
+            "reward_model.reward_kwargs",
+            "trainer.remove_previous_ckpt_in_save",
+        ),
         kind="ours_only",
         reason="verl reads them with .get() and its yaml lacks them (scripts add them with '+'; DAPO's overlong"
-        " buffer lives in reward_kwargs); declared here so they are typed and '+' works as in verl.",
+        " buffer lives in reward_kwargs, which verl's legacy-reward migration also fills from"
+        " reward_model.reward_kwargs); declared here so they are typed and '+' works as in verl.",
     ),
     Difference(
         keys=("*.model.lora_rank", "*.model.lora_alpha", "*.model.target_modules"),
@@ -108,16 +102,22 @@ INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
         " model.lora block (one source of truth, alpha 32 for both engines, see LoRA below).",
     ),
     Difference(
-        keys=("actor_rollout_ref.rollout.name", "reward_model.rollout.name"),
+        keys=("actor_rollout_ref.rollout.name", "reward.reward_model.rollout.name"),
         kind="default",
         reason="verl leaves it mandatory (???); here it defaults to vllm so that a config without a rollout"
         " (engine-only use, SFT, tests) loads. Any value verl accepts is accepted.",
     ),
     Difference(
-        keys=("critic.model.path",),
+        keys=(
+            "critic.model.path",
+            "critic.model.tokenizer_path",
+            "critic.model.trust_remote_code",
+            "critic.model.external_lib",
+        ),
         kind="default",
-        reason="follows actor_rollout_ref.model.path (verl's literal default points the critic at a model the"
-        " user never named when only the actor's path is set; its tokenizer_path already follows the actor).",
+        reason="follow actor_rollout_ref.model (verl's literal defaults point the critic at a model and tokenizer"
+        " the user never named when only the actor's path is set, and drop the actor's remote-code and"
+        " external-library settings).",
     ),
     Difference(
         keys=("critic.ppo_micro_batch_size_per_gpu",),
@@ -127,7 +127,9 @@ INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
     ),
 )
 
-_OC_SELECT = re.compile(r"\$\{oc\.select:\s*([^,}]+?)\s*(?:,(?:\{\}|\[\]|[^}])*)?\}")
+# ${oc.select:key,default}; the default may itself be an interpolation (verl nests a second oc.select as the
+# fallback), which is rewritten first since the substitution runs innermost-out.
+_OC_SELECT = re.compile(r"\$\{oc\.select:\s*([^,{}]+?)\s*(?:,(?:\{\}|\[\]|\$\{[^{}]*\}|[^{}])*)?\}")
 _INTERP = re.compile(r"\$\{(\.+)([^}]*)\}")
 
 
@@ -139,7 +141,9 @@ def normalize_default(value: Any, *, key: str) -> Any:
         return [normalize_default(v, key=key) for v in value]
     if not isinstance(value, str) or "${" not in value:
         return value
-    text = _OC_SELECT.sub(lambda m: "${" + m.group(1) + "}", value)
+    text, previous = value, None
+    while text != previous:
+        previous, text = text, _OC_SELECT.sub(lambda m: "${" + m.group(1) + "}", text)
     parent = key.split(".")[:-1]
 
     def absolute(m: re.Match[str]) -> str:
