@@ -80,7 +80,9 @@ def test_cli_show_validate_diff(capsys) -> None:
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in capsys.readouterr().err
     assert main(["diff", "--engines", "fsdp", "megatron"]) == 0
     out = capsys.readouterr().out
-    assert "actor_rollout_ref.model.use_remove_padding: fsdp=True megatron=False" in out
+    assert "actor_rollout_ref.actor.optim.optimizer: fsdp='AdamW' megatron='adam'" in out
+    # verl 0.9.1 turned remove-padding on for Megatron too: no longer an engine difference
+    assert "actor_rollout_ref.model.use_remove_padding:" not in out
     assert "actor_rollout_ref.rollout.layer_name_map.qkv_layer_name: fsdp='<absent>' megatron='qkv'" in out
     assert main(["validate", "--world-size", "8"]) == 2
     assert "--world-size: applies to --entry sft only" in capsys.readouterr().err

@@ -52,7 +52,10 @@ def test_engine_selects_typed_role_sections() -> None:
 
 
 def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
-    """verl-features.md section 5, key for key (sequence_parallel: default true, forced off at TP 1)."""
+    """verl 0.9.1's McoreEngineConfig, key for key (sequence_parallel: default true, forced off at TP 1).
+
+    grad_offload (dropped by verl 0.9.1) and packed_attention_backend are this package's own keys.
+    """
     expected = {
         "param_offload": False,
         "grad_offload": False,
@@ -71,6 +74,13 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
         "dynamic_context_parallel": False,
         "max_seqlen_per_dp_cp_rank": None,
         "packed_attention_backend": "auto",
+        "entropy_from_logits_with_chunking": "${actor_rollout_ref.actor.entropy_from_logits_with_chunking}",
+        "entropy_from_logits_chunk_size": "${actor_rollout_ref.actor.entropy_from_logits_chunk_size}",
+        "pad_bshd_to_minibatch_max": True,
+        "pad_to_length": False,
+        "pad_to_length_bucket": 512,
+        "dist_ckpt_optim_fully_reshardable": False,
+        "distrib_optim_fully_reshardable_mem_efficient": False,
         "seed": 42,
         "override_ddp_config": {},
         "override_transformer_config": {
@@ -82,11 +92,20 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
         },
         "override_mcore_model_config": {},
         "use_mbridge": True,
-        "vanilla_mbridge": True,
+        "vanilla_mbridge": False,
         "use_remove_padding": True,
         "forward_only": False,
         "dtype": "bfloat16",
         "use_megatron_fsdp": False,
+        "router_replay": {"mode": "disabled", "record_file": None, "replay_file": None},
+        "qat": {
+            "enable": False,
+            "mode": "w4a16",
+            "group_size": 16,
+            "ignore_patterns": ["lm_head", "*mlp.gate"],
+            "activation_observer": None,
+            "quantization_config_path": None,
+        },
         # in the PPO tree these three follow the role's keys (interpolations, see below)
         "use_dynamic_bsz": "${..use_dynamic_bsz}",
         "max_token_len_per_gpu": "${..ppo_max_token_len_per_gpu}",
@@ -94,7 +113,12 @@ def test_megatron_engine_section_has_verls_keys_and_defaults() -> None:
     }
     tree = OmegaConf.to_container(default_tree("megatron"), resolve=False)
     assert tree["actor_rollout_ref"]["actor"]["megatron"] == expected
-    assert tree["critic"]["megatron"] == expected
+    # the critic has no actor entropy keys to follow: verl 0.9.1 gives it the fallback values
+    assert tree["critic"]["megatron"] == {
+        **expected,
+        "entropy_from_logits_with_chunking": False,
+        "entropy_from_logits_chunk_size": 2048,
+    }
     standalone = McoreEngineConfig()
     assert (
         standalone.use_dynamic_bsz,
@@ -131,17 +155,21 @@ def test_reference_section_follows_the_actor_layout_and_never_trains() -> None:
     assert cfg.actor_rollout_ref.actor.megatron.wrap_config_kwargs()["wrap_with_ddp"] is True
 
 
-def test_reward_megatron_section_shares_the_layout_keys_and_their_checks() -> None:
-    """reward_model.megatron declares the layout keys once with the engine section, in verl's key order."""
-    from verl_config.reward import McoreRewardEngineConfig
+def test_reward_model_has_no_training_engine_section() -> None:
+    """verl 0.9.1 serves the reward model through a rollout engine: no strategy / megatron / fsdp section
+    (b178a3cd had reward_model.strategy and reward_model.megatron); verl refuses those keys, so do we."""
+    from verl_config.reward import LegacyRewardModelConfig, RewardModelConfig
 
-    reward = {f.name: f.default for f in dataclasses.fields(McoreRewardEngineConfig)}
-    engine = {f.name: f.default for f in dataclasses.fields(McoreEngineConfig)}
-    assert list(reward)[:2] == ["param_offload", "tensor_model_parallel_size"]
-    assert reward["use_distributed_optimizer"] is False and engine["use_distributed_optimizer"] is True
-    for bad in ({"context_parallel_size": 0}, {"expert_model_parallel_size": 0}, {"dtype": "fp8"}):
-        with pytest.raises(ConfigValueError, match=next(iter(bad))):
-            McoreRewardEngineConfig(**bad)
+    for cls in (RewardModelConfig, LegacyRewardModelConfig):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert not names & {"strategy", "megatron", "fsdp_config"}, cls.__name__
+    for override in (
+        "reward_model.strategy=megatron",
+        "reward_model.megatron.tensor_model_parallel_size=2",
+        "reward.reward_model.megatron.tensor_model_parallel_size=2",
+    ):
+        with pytest.raises(ConfigKeyError, match="unknown config key"):
+            _load(override)
 
 
 def test_other_section_defaults() -> None:
@@ -155,7 +183,25 @@ def test_other_section_defaults() -> None:
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
     assert cfg.trainer.world_size == 8
     assert cfg.actor_rollout_ref.model.lora.rank == 0 and cfg.actor_rollout_ref.model.lora.alpha == 32
-    assert cfg.reward_model.strategy == "fsdp"
+    # verl 0.9.1: scoring lives under `reward`; the legacy top-level reward_model keys are all "not given"
+    assert cfg.reward.num_workers == 8 and cfg.reward.reward_manager.name == "naive"
+    assert cfg.reward.reward_manager.source == "register"
+    assert cfg.reward.custom_reward_function.name == "compute_score"
+    assert cfg.reward.reward_model.enable is False and cfg.reward.reward_model.model_path is None
+    assert cfg.reward.reward_model.rollout.tensor_model_parallel_size == 2
+    assert cfg.reward_model.reward_manager is None and cfg.reward_model.enable is None
+
+
+def test_each_teacher_is_built_as_a_section() -> None:
+    """distillation.teacher_models is a dict of sections: each teacher is a TeacherModelConfig with its checks."""
+    from verl_config.distillation import TeacherModelConfig
+
+    cfg = _load(engine="fsdp")
+    assert isinstance(cfg.distillation.teacher_models["teacher_model"], TeacherModelConfig)
+    with pytest.raises(
+        ConfigValueError, match=r"distillation.teacher_models.teacher_model.model_path: is null"
+    ):
+        _load("distillation.enabled=true", engine="fsdp")
 
 
 # ------------------------------------------------------------------------- engine differences
@@ -169,7 +215,7 @@ def test_nothing_lost_when_selecting_megatron() -> None:
     assert arr.rollout.layer_name_map == {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
     assert arr.model.override_config["moe_config"] == {"freeze_moe_router": False}
     assert arr.model.override_config["model_config"] == {"max_position_embeddings": 8192}
-    assert arr.model.use_remove_padding is False
+    assert arr.model.use_remove_padding is True  # verl 0.9.1's Megatron default (false before)
 
 
 # ------------------------------------------------------------------------------- entry / alias
@@ -234,7 +280,11 @@ def test_unknown_and_mistyped_keys() -> None:
             rf"{AM}.use_remove_padding: is false but dynamic_context_parallel is true",
         ),
         (
-            [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=4096"],
+            [
+                f"{AM}.dynamic_context_parallel=true",
+                f"{AM}.max_seqlen_per_dp_cp_rank=4096",
+                "actor_rollout_ref.model.use_remove_padding=false",
+            ],
             r"actor_rollout_ref.model.use_remove_padding: is false but .*dynamic_context_parallel is true",
         ),
         (
@@ -364,10 +414,8 @@ def test_conversions_to_lower_layer_kwargs() -> None:
         and tf["recompute_modules"] == ["core_attn"]
     )
     assert eng.parallel_kwargs()["tensor_model_parallel_size"] == 2
-    assert eng.construction_path == "mbridge"
-    assert (
-        _load(f"{AM}.vanilla_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "provider"
-    )
+    assert eng.construction_path == "provider"  # verl 0.9.1: vanilla_mbridge defaults to false
+    assert _load(f"{AM}.vanilla_mbridge=true").actor_rollout_ref.actor.megatron.construction_path == "mbridge"
     assert _load(f"{AM}.use_mbridge=false").actor_rollout_ref.actor.megatron.construction_path == "plain"
     opt = cfg.actor_rollout_ref.actor.optim.optimizer_config_kwargs(
         dtype=eng.dtype, use_distributed_optimizer=False

@@ -131,6 +131,7 @@ def test_rules_stricter_than_verl_are_notes(overrides: list[str], note_pattern: 
             "+algorithm.filter_groups.enable=true",
             "+algorithm.filter_groups.metric=acc",
         ],
+        ["algorithm.filter_groups.enable=true"],  # verl 0.9.1: metric defaults to "reward"
         [
             "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
             "+reward_model.reward_kwargs.max_resp_len=4096",
@@ -153,6 +154,8 @@ def test_configurations_verl_accepts_load(overrides: list[str]) -> None:
             cfg.algorithm.filter_groups.metric,
             cfg.data.gen_batch_size,
         ) == (True, "acc", 512)
+    if overrides == ["algorithm.filter_groups.enable=true"]:
+        assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "reward")
     if "+reward_model.reward_kwargs.max_resp_len=4096" in overrides:
         assert cfg.reward_model.reward_kwargs == {
             "overlong_buffer_cfg": {"enable": True},
@@ -216,12 +219,19 @@ def test_fsdp2_strategy_and_ulysses_rules() -> None:
         (["+actor_rollout_ref.actor.made_up=1"], ConfigKeyError, r"cannot add a key to the typed section"),
         ([f"{A}.clip_ratio_low=0.25", f"+{A}.clip_ratio_low=0.3"], ConfigKeyError, r"already exists"),
         (
-            [f"{A}.router_replay.mode=R9"],
+            # verl 0.9.1 moved router replay from the actor into its engine section (megatron.router_replay)
+            [f"{A}.megatron.router_replay.mode=R9"],
             ConfigValueError,
-            r"router_replay.mode: must be one of 'disabled', 'R2', 'R3'",
+            r"actor_rollout_ref.actor.megatron.router_replay.mode: must be one of 'disabled', 'R2', 'R3'",
         ),
         (
-            ["algorithm.filter_groups.enable=true"],
+            [f"{A}.router_replay.mode=R3"],
+            ConfigKeyError,
+            r"unknown config key 'actor_rollout_ref.actor.router_replay.mode'",
+        ),
+        (
+            # verl 0.9.1's default metric is "reward"; an explicit null with filtering on is still refused
+            ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"],
             ConfigValueError,
             r"algorithm.filter_groups.metric: is null but enable is true",
         ),

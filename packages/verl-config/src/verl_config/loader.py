@@ -296,8 +296,18 @@ def _build_node(
         value = data[f.name]
         if isinstance(value, Mapping):
             child = node[f.name]  # the DictConfig child keeps the concrete (engine-specific) dataclass type
+            here = f"{path}.{f.name}" if path else f.name
             if _is_schema_node(child):
-                value = _build_node(child, value, f"{path}.{f.name}" if path else f.name, notes, errors)
+                value = _build_node(child, value, here, notes, errors)
+            elif isinstance(child, DictConfig):
+                # a dict of sections (dict[str, SomeConfig], e.g. distillation.teacher_models): each
+                # item is built as its own section
+                value = {
+                    key: _build_node(child[key], item, f"{here}.{key}", notes, errors)
+                    if isinstance(item, Mapping) and _is_schema_node(child._get_node(key))
+                    else item
+                    for key, item in value.items()
+                }
         kwargs[f.name] = value
     already_found = len(errors.errors)
     with warnings.catch_warnings(record=True) as caught:
