@@ -48,3 +48,11 @@ def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> 
     assert record["versions"]["python"] == platform.python_version()
     with pytest.raises(ValueError, match="common keys"):
         _record.write_record(out, benchmark="x", config={}, numbers={"device": "clash"})
+
+
+def test_the_loss_parity_table_in_the_docs_is_the_committed_json() -> None:
+    import loss_parity_table
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "verl_loss_parity.json").read_text())
+    assert data["verl"] == "0.9.1"
+    assert loss_parity_table.table(data) in (ROOT / "docs" / "engine.md").read_text()

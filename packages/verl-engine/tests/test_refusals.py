@@ -28,8 +28,6 @@ KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
             "is valid verl but not implemented by verl-engine: it picks the tokens to clip at random",
         ),
         ("kl_cov", [], "is valid verl but not implemented by verl-engine"),
-        # dro is valid verl only with its beta (verl-config refuses it without, see below)
-        ("dro", ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"], "direct reward optimisation"),
         ("bypass_mode", [], "rollout's log-probs as the old policy"),
         ("my_own_loss", [], "is not a registered policy loss"),
     ],

@@ -24,7 +24,7 @@ from verl_engine.losses import LOSS_AGG_MODES, policy_loss
 pytestmark = pytest.mark.verl_reference
 
 VERL_VERSION = "0.9.1"
-MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "geo_mean")
+MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "geo_mean", "dro")
 RTOL = 1e-12
 DT = torch.float64
 ROWS, WIDTH = 8, 9
@@ -73,7 +73,7 @@ def _config(mode: str, agg: str) -> Any:
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
         loss_agg_mode=agg,
-        policy_loss=PolicyLossConfig(loss_mode=mode),
+        policy_loss=PolicyLossConfig(loss_mode=mode, dro_beta=0.3),
         ppo_micro_batch_size_per_gpu=1,
         rollout_n=1,
     )
@@ -168,7 +168,7 @@ def _table() -> dict[str, dict[str, float]]:
     if out:
         with open(out, "w") as f:
             json.dump(
-                {"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1, sort_keys=True
+                {"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1
             )
     return table
 

@@ -17,8 +17,6 @@ NOT_IMPLEMENTED_POLICY_LOSSES = {
     " depend on the micro-batching and every rank would have to draw the same tokens",
     "kl_cov": "it penalises the top tokens of each micro-batch's covariance statistics, so a step would depend on the"
     " micro-batching",
-    "dro": "direct reward optimisation (a quadratic log-ratio penalty weighted by policy_loss.dro_beta) is not"
-    " implemented yet",
     "bypass_mode": "it takes the rollout's log-probs as the old policy (algorithm.rollout_correction), which the engine"
     " does not consume yet",
 }
