@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The policy-loss parity table of docs/engine.md, from the JSON the verl-reference test writes.
 
-    VERL_LOSS_PARITY_OUT=benchmarks/results/verl_loss_parity.json nox -s "tests(0.19.2)" -- -m verl_reference
-    python scripts/loss_parity_table.py benchmarks/results/verl_loss_parity.json   # prints the table
+VERL_LOSS_PARITY_OUT=benchmarks/results/verl_loss_parity.json nox -s "tests(0.19.2)" -- -m verl_reference
+python scripts/loss_parity_table.py benchmarks/results/verl_loss_parity.json   # prints the table
 """
 
 from __future__ import annotations

@@ -167,9 +167,7 @@ def _table() -> dict[str, dict[str, float]]:
     out = os.environ.get("VERL_LOSS_PARITY_OUT")
     if out:
         with open(out, "w") as f:
-            json.dump(
-                {"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1
-            )
+            json.dump({"verl": VERL_VERSION, "dtype": "float64", "losses": table}, f, indent=1)
     return table
 
 
