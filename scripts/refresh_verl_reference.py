@@ -65,6 +65,10 @@ SOURCE_PATTERNS = (
 DATACLASSES_JSON = "dataclasses.json"
 TARGETS_JSON = "targets.json"
 REFERENCE_JSON = "REFERENCE.json"
+REGISTRIES_JSON = "registries.json"
+# The module whose registries (policy losses, advantage estimators) user code can extend: verl-config accepts
+# any name there but notes one that is not built in, so the built-in names are reference data too.
+REGISTRY_MODULE = "verl/trainer/ppo/core_algos.py"
 OMEGACONF_MISSING = ("MISSING", "omegaconf.MISSING")
 # Annotations that dataclasses do not turn into fields.
 NON_FIELD_ANNOTATIONS = ("ClassVar", "InitVar", "KW_ONLY")
@@ -521,6 +525,46 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _decorator_name(node: ast.expr, *, decorator: str, enum: dict[str, str]) -> str | None:
+    """``@decorator("x")`` or ``@decorator(Enum.X)`` -> the registered name."""
+    if not (isinstance(node, ast.Call) and _last_name(_dotted(node.func)) == decorator and node.args):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return enum.get(_last_name(_dotted(arg)) or "")
+
+
+def extract_registries(*, verl_root: Path) -> dict[str, list[str]]:
+    """The names verl registers in ``core_algos``: its policy losses and advantage estimators, in source order."""
+    tree = ast.parse((verl_root / REGISTRY_MODULE).read_text(encoding="utf-8"))
+    enum: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "AdvantageEstimator":
+            for stmt in node.body:
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
+                    enum.update({t.id: stmt.value.value for t in stmt.targets if isinstance(t, ast.Name)})
+    found: dict[str, list[str]] = {"policy_losses": [], "advantage_estimators": []}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for dec in node.decorator_list:
+            for registry, decorator in (
+                ("policy_losses", "register_policy_loss"),
+                ("advantage_estimators", "register_adv_est"),
+            ):
+                name = _decorator_name(dec, decorator=decorator, enum=enum)
+                if name is not None and name not in found[registry]:
+                    found[registry].append(name)
+    # an estimator of the enum without a decorated function (dispatched elsewhere) is still one verl accepts
+    found["advantage_estimators"] += [v for v in enum.values() if v not in found["advantage_estimators"]]
+    return found
+
+
 def build_reference(*, verl_root: Path, origin: dict[str, Any]) -> dict[str, bytes]:
     """Every stored file's bytes, keyed by file name; nothing is written here.
 
@@ -535,6 +579,7 @@ def build_reference(*, verl_root: Path, origin: dict[str, Any]) -> dict[str, byt
     files = dict(yamls)
     files[DATACLASSES_JSON] = dump_json(dataclasses).encode("utf-8")
     files[TARGETS_JSON] = dump_json(targets).encode("utf-8")
+    files[REGISTRIES_JSON] = dump_json(extract_registries(verl_root=verl_root)).encode("utf-8")
     sources = {
         p.relative_to(verl_root).as_posix(): sha256(p.read_bytes()) for p in source_files(verl_root=verl_root)
     }

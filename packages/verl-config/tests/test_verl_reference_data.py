@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "scripts" / "refresh_verl_reference.py"
 DATA = Path(__file__).resolve().parent / "data" / "verl_reference"
 YAMLS = ("_generated_ppo_trainer.yaml", "_generated_ppo_megatron_trainer.yaml")
-STORED = (*YAMLS, "dataclasses.json", "targets.json", "REFERENCE.json")
+STORED = (*YAMLS, "dataclasses.json", "targets.json", "registries.json", "REFERENCE.json")
 
 # Classes verl-config mirrors; each must be in the stored data.
 EXPECTED_CLASSES = (
@@ -220,8 +220,32 @@ other:
 """
 
 
+CORE_ALGOS_PY = """
+class AdvantageEstimator(str, Enum):
+    GAE = "gae"
+    ONLY_IN_ENUM = "only_in_enum"
+
+
+@register_adv_est(AdvantageEstimator.GAE)
+def gae(): ...
+
+
+@register_adv_est("by_name")
+def by_name(): ...
+
+
+@register_policy_loss("vanilla")
+def vanilla(): ...
+
+
+@other_decorator("not_a_loss")
+def other(): ...
+"""
+
+
 def _synthetic_checkout(root: Path) -> Path:
     files = {
+        "verl/trainer/ppo/core_algos.py": CORE_ALGOS_PY,
         "verl/workers/config/__init__.py": "",
         "verl/workers/config/base.py": BASE_PY,
         "verl/workers/config/child.py": CHILD_PY,
@@ -234,6 +258,11 @@ def _synthetic_checkout(root: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
     return root
+
+
+def test_extraction_of_registries(refresh: ModuleType, tmp_path: Path) -> None:
+    found = refresh.extract_registries(verl_root=_synthetic_checkout(tmp_path))
+    assert found == {"policy_losses": ["vanilla"], "advantage_estimators": ["gae", "by_name", "only_in_enum"]}
 
 
 def test_extraction_of_synthetic_dataclasses(refresh: ModuleType, tmp_path: Path) -> None:
@@ -441,3 +470,13 @@ def test_refresh_refuses_a_bad_release_or_a_wheel_of_another_one(refresh: Module
         refresh.main(["--verl-version", "9.8.7", "--commit", "0" * 40, "--out", out])
     with pytest.raises(SystemExit):
         refresh.main(["--verl", str(checkout), "--verl-version", "9.8.7", "--out", out])
+
+
+def test_verl_config_knows_every_built_in_name_of_verls_registries() -> None:
+    """verl-config notes a policy loss or advantage estimator that is not built into verl (user code may
+    register it): its lists of built-ins must be exactly the release's, or a valid name would be noted."""
+    from verl_config.algorithm import ADV_ESTIMATORS, POLICY_LOSS_MODES
+
+    registries = _json("registries.json")
+    assert sorted(POLICY_LOSS_MODES) == sorted(registries["policy_losses"])
+    assert sorted(ADV_ESTIMATORS) == sorted(registries["advantage_estimators"])

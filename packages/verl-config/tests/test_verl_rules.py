@@ -103,6 +103,7 @@ def test_step_batch_must_split_over_the_megatron_minimum() -> None:
         (["algorithm.adv_estimator=grpo"], "every advantage will be 0"),
         (["algorithm.adv_estimator=my_estimator", "critic.enable=false"], "not one of verl's built-ins"),
         ([f"{A}.policy_loss.loss_mode=my_loss", "critic.enable=false"], "must be registered by your code"),
+        ([f"{A}.policy_loss.loss_mode=vanila", "critic.enable=false"], "did you mean 'vanilla'?"),
         ([f"{A}.optim.lr=0", "critic.enable=false"], "will not change the weights"),
         (
             [f"{A}.megatron.override_transformer_config.recompute_method=uniform", "critic.enable=false"],

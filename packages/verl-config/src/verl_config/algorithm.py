@@ -6,6 +6,7 @@ name there is a note, not an error.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,16 +43,20 @@ ADV_ESTIMATORS = (
     "grpo_vectorized",
     "optimal_token_baseline",
     "tir_optimal_token_baseline",
+    "gdpo",
 )
 # verl's registered policy losses (register_policy_loss); extendable like the estimators.
 POLICY_LOSS_MODES = (
     "vanilla",
+    "dppo_tv",
+    "dppo_kl",
     "gspo",
     "sapo",
     "gpg",
     "clip_cov",
     "kl_cov",
     "geo_mean",
+    "dro",
     "cispo",
     "bypass_mode",
 )
@@ -85,9 +90,12 @@ def check_kl_type(key: str, value: str) -> None:
 def registry_note(key: str, value: str, known: tuple[str, ...]) -> None:
     """An unknown name of an extensible verl registry: accepted (user code may register it), noted."""
     if isinstance(value, str) and "${" not in value and value not in known and adjusting():
+        close = difflib.get_close_matches(value, known, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
         note(
             key,
-            f"{value!r} is not one of verl's built-ins ({', '.join(known)}); it must be registered by your code",
+            f"{value!r} is not one of verl's built-ins ({', '.join(known)}); {guess}"
+            "it must be registered by your code",
         )
 
 
