@@ -99,6 +99,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "verl-engine",
+        "every verl 0.9.1 engine key honoured, refused at build or not the engine's",
+        ("test_config_support",),
+    ),
+    (
+        "verl-engine",
         "log-probs, entropy, fused LM head",
         ("test_logprobs", "test_fused_head", "test_gpu_vocab_kernels", "test_vocab_kernels_interpreted"),
     ),

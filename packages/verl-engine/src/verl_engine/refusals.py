@@ -23,21 +23,23 @@ NOT_IMPLEMENTED_POLICY_LOSSES = {
 
 
 def check_supported(cfg: Any, *, role: str) -> None:
-    """Raise ValueError naming every setting of ``role``'s section that is valid verl but not implemented here."""
-    problems: list[str] = []
-    if role == "actor":
-        problems += _policy_loss(cfg.actor_rollout_ref.actor)
+    """Raise ValueError naming every setting of ``role``'s sections that is valid verl but not implemented here.
+
+    The refused keys and what is supported instead: :data:`verl_engine.config_support.RULES`.
+    """
+    from verl_engine.config_support import refusal_problems
+
+    problems = refusal_problems(cfg, role=role, describe={_LOSS_MODE: _policy_loss})
     if problems:
         raise ValueError(f"verl-engine cannot build the {role}: " + "; ".join(problems))
 
 
-def _policy_loss(actor: Any) -> list[str]:
+_LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
+
+
+def _policy_loss(mode: Any) -> str:
     from verl_engine.losses import POLICY_LOSSES
 
-    mode = actor.policy_loss.loss_mode
-    if mode in POLICY_LOSSES:
-        return []
-    key = "actor_rollout_ref.actor.policy_loss.loss_mode"
     implemented = ", ".join(sorted(POLICY_LOSSES))
     why = NOT_IMPLEMENTED_POLICY_LOSSES.get(mode)
     what = (
@@ -45,7 +47,7 @@ def _policy_loss(actor: Any) -> list[str]:
         if why
         else "is not a registered policy loss"
     )
-    return [
-        f"{key}={mode!r} {what}; implemented: {implemented} (or register your own with"
+    return (
+        f"{what}; implemented: {implemented} (or register your own with"
         " verl_engine.losses.register_policy_loss before building the engine)"
-    ]
+    )
