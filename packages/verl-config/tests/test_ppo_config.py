@@ -192,6 +192,38 @@ def test_other_section_defaults() -> None:
     assert cfg.reward_model.reward_manager is None and cfg.reward_model.enable is None
 
 
+def test_legacy_reward_keys_are_kept_and_noted() -> None:
+    """verl 0.9.1's main_ppo keeps the pre-0.9 reward keys but reads only ``reward`` (its
+    migrate_legacy_reward_impl runs in the fully-async entry only): they stay where written, with a note."""
+    cfg = _load(
+        "reward_model.reward_manager=dapo",
+        "+reward_model.reward_kwargs.max_resp_len=512",
+        "custom_reward_function.path=/tmp/my_reward.py",
+        "reward_model.rollout.tensor_model_parallel_size=4",
+        engine="fsdp",
+    )
+    assert cfg.reward_model.reward_manager == "dapo" and cfg.reward.reward_manager.name == "naive"
+    assert cfg.reward_model.reward_kwargs == {"max_resp_len": 512} and cfg.reward.reward_kwargs == {}
+    assert (
+        cfg.custom_reward_function.path == "/tmp/my_reward.py"
+        and cfg.reward.custom_reward_function.path is None
+    )
+    assert cfg.reward.reward_model.rollout.tensor_model_parallel_size == 2
+    notes = "\n".join(config_notes(cfg))
+    for legacy, instead in (
+        ("reward_model.reward_manager", "reward.reward_manager.name"),
+        ("reward_model.reward_kwargs", "reward.reward_kwargs"),
+        ("custom_reward_function.path", "reward.custom_reward_function.path"),
+        (
+            "reward_model.rollout.tensor_model_parallel_size",
+            "reward.reward_model.rollout.tensor_model_parallel_size",
+        ),
+    ):
+        assert f"{legacy}: is a pre-0.9 reward key that verl 0.9's main_ppo does not read" in notes
+        assert f"set {instead}" in notes
+    assert "reward_model" not in "".join(config_notes(_load(engine="fsdp")))
+
+
 def test_each_teacher_is_built_as_a_section() -> None:
     """distillation.teacher_models is a dict of sections: each teacher is a TeacherModelConfig with its checks."""
     from verl_config.distillation import TeacherModelConfig

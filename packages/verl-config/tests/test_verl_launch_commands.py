@@ -200,8 +200,9 @@ FEATURES: dict[str, Callable[[LaunchCommand], bool]] = {
         c, lambda p, k, v: k == "trainer.logger" and v.startswith("[")
     ),
     "reward_model.* keys": lambda c: _any(c, lambda p, k, v: k.startswith("reward_model.")),
-    "custom_reward_function.* keys": lambda c: _any(
-        c, lambda p, k, v: k.startswith("custom_reward_function.") and v != "null"
+    # verl 0.9 moved custom_reward_function.* to reward.custom_reward_function.* (main_ppo reads only the latter)
+    "reward.custom_reward_function.* keys": lambda c: _any(
+        c, lambda p, k, v: k.startswith("reward.custom_reward_function.") and v != "null"
     ),
 }
 

@@ -143,6 +143,21 @@ def test_rules_stricter_than_verl_are_notes(overrides: list[str], note_pattern: 
             "actor_rollout_ref.rollout.data_parallel_size=2",
         ],
         ["actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true"],
+        # verl reads lora.fully_sharded_loras with .get() (vllm_async_server); its yaml lacks it, scripts add it
+        ["actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.fully_sharded_loras=True"],
+        # trtllm: verl's TP x DP rule for the rollout's expert parallel size does not apply; null leaves it to
+        # TensorRT-LLM, moe_tensor_parallel_size x expert_parallel_size tiles the tensor parallel ranks
+        [
+            "actor_rollout_ref.rollout.name=trtllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            "+actor_rollout_ref.rollout.moe_tensor_parallel_size=2",
+            "actor_rollout_ref.rollout.expert_parallel_size=2",
+        ],
+        [
+            "actor_rollout_ref.rollout.name=trtllm",
+            "+actor_rollout_ref.rollout.moe_tensor_parallel_size=null",
+            "actor_rollout_ref.rollout.expert_parallel_size=null",
+        ],
     ],
 )
 def test_configurations_verl_accepts_load(overrides: list[str]) -> None:
@@ -157,6 +172,15 @@ def test_configurations_verl_accepts_load(overrides: list[str]) -> None:
         ) == (True, "acc", 512)
     if overrides == ["algorithm.filter_groups.enable=true"]:
         assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "reward")
+    if "+actor_rollout_ref.model.lora.fully_sharded_loras=True" in overrides:
+        assert cfg.actor_rollout_ref.model.lora.fully_sharded_loras is True
+    if "+actor_rollout_ref.rollout.moe_tensor_parallel_size=2" in overrides:
+        assert (
+            cfg.actor_rollout_ref.rollout.moe_tensor_parallel_size,
+            cfg.actor_rollout_ref.rollout.expert_parallel_size,
+        ) == (2, 2)
+    if "actor_rollout_ref.rollout.expert_parallel_size=null" in overrides:
+        assert cfg.actor_rollout_ref.rollout.expert_parallel_size is None
     if "+reward_model.reward_kwargs.max_resp_len=4096" in overrides:
         assert cfg.reward_model.reward_kwargs == {
             "overlong_buffer_cfg": {"enable": True},
@@ -201,6 +225,27 @@ def test_fsdp2_strategy_and_ulysses_rules() -> None:
             ["actor_rollout_ref.rollout.expert_parallel_size=3"],
             ConfigValueError,
             r"expert_parallel_size: \(3\) must equal",
+        ),
+        (
+            # verl's RolloutConfig compares None > 1 and fails; only trtllm leaves the size unspecified
+            ["actor_rollout_ref.rollout.expert_parallel_size=null"],
+            ConfigValueError,
+            r"rollout.expert_parallel_size: is null, which only trtllm accepts",
+        ),
+        (
+            ["+actor_rollout_ref.rollout.moe_tensor_parallel_size=2"],
+            ConfigValueError,
+            r"rollout.moe_tensor_parallel_size: is 2 but only trtllm",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=trtllm",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                "+actor_rollout_ref.rollout.moe_tensor_parallel_size=4",
+                "actor_rollout_ref.rollout.expert_parallel_size=2",
+            ],
+            ConfigValueError,
+            r"rollout.moe_tensor_parallel_size: \(4\) x expert_parallel_size \(2\) must equal",
         ),
         (
             ["actor_rollout_ref.rollout.pipeline_model_parallel_size=2"],

@@ -235,9 +235,10 @@ def _show(value: Any) -> str:
 
 def _migrate_legacy_spellings(cfg: DictConfig, *, explicit: set[str]) -> None:
     """verl's deprecated spellings: ``grad_clip`` -> ``optim.clip_grad``, ``optim.warmup_style`` ->
-    ``optim.lr_scheduler_type`` (of the actor and the critic), and the pre-0.9 reward sections
-    (``reward_model``, ``custom_reward_function``, ``sandbox_fusion``) -> ``reward`` (verl's
-    migrate_legacy_reward_impl)."""
+    ``optim.lr_scheduler_type`` (of the actor and the critic).
+
+    The pre-0.9 reward sections (``reward_model``, ``custom_reward_function``, ``sandbox_fusion``) are not
+    moved: verl 0.9's main_ppo keeps them but reads only ``reward`` (see :mod:`verl_config.reward`)."""
     for role in ("actor_rollout_ref.actor", "critic"):
         # grad_clip defaults to 1.0 like clip_grad, so its default must not overwrite a given clip_grad
         _move_spelling(
@@ -250,38 +251,6 @@ def _migrate_legacy_spellings(cfg: DictConfig, *, explicit: set[str]) -> None:
             explicit=explicit,
             clear=True,
         )
-    for legacy, canonical in _LEGACY_REWARD_KEYS:
-        _move_spelling(cfg, legacy=legacy, canonical=canonical, explicit=explicit, clear=True)
-    rollout = cfg.reward_model.rollout
-    for key in list(rollout):
-        _move_spelling(
-            cfg,
-            legacy=f"reward_model.rollout.{key}",
-            canonical=f"reward.reward_model.rollout.{key}",
-            explicit=explicit,
-            clear=True,
-        )
-
-
-# pre-0.9 reward keys (null = not given) and where verl 0.9 reads them
-_LEGACY_REWARD_KEYS = (
-    ("reward_model.num_workers", "reward.num_workers"),
-    ("reward_model.reward_manager", "reward.reward_manager.name"),
-    ("reward_model.reward_loop_source", "reward.reward_manager.source"),
-    ("reward_model.reward_loop_module_path", "reward.reward_manager.module.path"),
-    ("reward_model.reward_loop_class_name", "reward.reward_manager.module.name"),
-    ("reward_model.enable", "reward.reward_model.enable"),
-    ("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool"),
-    ("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node"),
-    ("reward_model.nnodes", "reward.reward_model.nnodes"),
-    ("reward_model.model.path", "reward.reward_model.model_path"),
-    ("reward_model.reward_kwargs", "reward.reward_kwargs"),
-    ("custom_reward_function.path", "reward.custom_reward_function.path"),
-    ("custom_reward_function.name", "reward.custom_reward_function.name"),
-    ("sandbox_fusion.url", "reward.sandbox_fusion.url"),
-    ("sandbox_fusion.max_concurrent", "reward.sandbox_fusion.max_concurrent"),
-    ("sandbox_fusion.memory_limit_mb", "reward.sandbox_fusion.memory_limit_mb"),
-)
 
 
 def _move_spelling(

@@ -127,6 +127,9 @@ class LoraConfig:
     freeze_vision_model: bool = True
     freeze_vision_projection: bool = True
     freeze_language_model: bool = True
+    # vLLM's fully sharded LoRA kernels for the rollout; verl reads it with .get() (its yaml lacks it, scripts
+    # add it with '+')
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, ("lora", "canonical_lora", "dora"))

@@ -4,18 +4,20 @@
 (``custom_reward_function``), the reward manager that turns scores into token rewards
 (``reward_manager``), an optional model-based reward served by a rollout engine (``reward_model``)
 and remote code execution (``sandbox_fusion``). verl 0.9 moved these out of the top-level
-``reward_model`` / ``custom_reward_function`` / ``sandbox_fusion`` sections; those remain as legacy
-spellings whose keys default to null ("not given"). A given legacy value is moved to its place under
-``reward`` with a warning when the config is loaded (:mod:`verl_config.compose`), as verl's own
-migration does.
+``reward_model`` / ``custom_reward_function`` / ``sandbox_fusion`` sections. Those stay accepted as legacy
+keys (null = "not given"), as verl 0.9.1's own config keeps them (``legacy_reward_impl.yaml``), but verl's
+``main_ppo`` no longer reads them: the move to ``reward`` (``migrate_legacy_reward_impl``) runs only in verl's
+fully-async entry point since verl 0.9.0. So a given legacy value is kept where it was written, as in verl,
+and a note (:func:`verl_config.config_notes`) names the key under ``reward`` that takes effect.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verl_config.errors import ConfigValueError
+from verl_config.notes import adjusting, note
 from verl_config.rollout import DisaggregationConfig
 from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
 
@@ -179,8 +181,23 @@ class RewardConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Legacy spellings (null = not given); compose moves given values under ``reward``
+# Legacy spellings (null = not given): kept as written, noted with the key that takes effect
 # ---------------------------------------------------------------------------------------------
+
+
+def _note_unread(section: object, canonical: dict[str, str | None]) -> None:
+    """Note each given key of a legacy section: verl 0.9's main_ppo keeps it but reads ``canonical[key]``
+    (None: nothing replaces it)."""
+    if not adjusting():
+        return
+    for key, new in canonical.items():
+        if getattr(section, key) is None:
+            continue
+        instead = f"set {new}" if new else "verl 0.9 has no replacement"
+        note(
+            key,
+            f"is a pre-0.9 reward key that verl 0.9's main_ppo does not read (it has no effect); {instead}",
+        )
 
 
 @dataclass
@@ -190,6 +207,9 @@ class LegacyCustomRewardFunctionConfig:
     path: str | None = None
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        _note_unread(self, {k: f"reward.custom_reward_function.{k}" for k in ("path", "name")})
+
 
 @dataclass
 class LegacySandboxFusionConfig:
@@ -198,6 +218,11 @@ class LegacySandboxFusionConfig:
     url: str | None = None
     max_concurrent: int | None = None
     memory_limit_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        _note_unread(
+            self, {k: f"reward.sandbox_fusion.{k}" for k in ("url", "max_concurrent", "memory_limit_mb")}
+        )
 
 
 @dataclass
@@ -209,10 +234,16 @@ class LegacyRewardModelModelConfig:
     external_lib: str | None = None
     trust_remote_code: bool | None = None
 
+    def __post_init__(self) -> None:
+        _note_unread(
+            self,
+            {"path": "reward.reward_model.model_path", "external_lib": None, "trust_remote_code": None},
+        )
+
 
 @dataclass
 class LegacyRewardRolloutConfig:
-    """``reward_model.rollout`` (legacy): each given key moves to ``reward.reward_model.rollout``."""
+    """``reward_model.rollout`` (legacy): each key is now one of ``reward.reward_model.rollout``."""
 
     name: str | None = None
     dtype: str | None = None
@@ -236,17 +267,21 @@ class LegacyRewardRolloutConfig:
     prompt_length: int | None = None
     response_length: int | None = None
 
+    def __post_init__(self) -> None:
+        _note_unread(self, {f.name: f"reward.reward_model.rollout.{f.name}" for f in fields(self)})
+
 
 @dataclass
 class LegacyRewardModelConfig:
     """Top-level ``reward_model`` (legacy, verl < 0.9): every key defaults to null ("not given").
 
-    Where each given key goes: ``num_workers`` -> ``reward.num_workers``; ``reward_manager`` ->
-    ``reward.reward_manager.name``; ``reward_loop_source`` / ``reward_loop_module_path`` /
+    verl 0.9's main_ppo reads, instead of each: ``num_workers`` -> ``reward.num_workers``; ``reward_manager``
+    -> ``reward.reward_manager.name``; ``reward_loop_source`` / ``reward_loop_module_path`` /
     ``reward_loop_class_name`` -> ``reward.reward_manager.source`` / ``module.path`` / ``module.name``;
     ``enable``, ``enable_resource_pool``, ``n_gpus_per_node``, ``nnodes`` -> the same keys of
     ``reward.reward_model``; ``model.path`` -> ``reward.reward_model.model_path``; ``rollout.*`` ->
-    ``reward.reward_model.rollout.*``; ``reward_kwargs`` -> ``reward.reward_kwargs``.
+    ``reward.reward_model.rollout.*``; ``reward_kwargs`` -> ``reward.reward_kwargs``. A given key is kept
+    (as verl keeps it) and noted.
     """
 
     num_workers: int | None = None
@@ -261,3 +296,20 @@ class LegacyRewardModelConfig:
     model: LegacyRewardModelModelConfig = field(default_factory=LegacyRewardModelModelConfig)
     rollout: LegacyRewardRolloutConfig = field(default_factory=LegacyRewardRolloutConfig)
     reward_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _note_unread(
+            self,
+            {
+                "num_workers": "reward.num_workers",
+                "reward_manager": "reward.reward_manager.name",
+                **{
+                    k: f"reward.reward_model.{k}"
+                    for k in ("enable", "enable_resource_pool", "n_gpus_per_node", "nnodes")
+                },
+                "reward_loop_source": "reward.reward_manager.source",
+                "reward_loop_module_path": "reward.reward_manager.module.path",
+                "reward_loop_class_name": "reward.reward_manager.module.name",
+                "reward_kwargs": "reward.reward_kwargs",
+            },
+        )

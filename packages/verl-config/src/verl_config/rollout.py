@@ -188,8 +188,11 @@ class RolloutConfig:
     free_cache_engine: bool = True
     tensor_model_parallel_size: int = 2
     data_parallel_size: int = 1
-    expert_parallel_size: int = 1
+    # null is accepted for trtllm only: TensorRT-LLM then derives it (as it does from 1)
+    expert_parallel_size: int | None = 1
     pipeline_model_parallel_size: int = 1
+    # TensorRT-LLM's MoE tensor parallel size (> 1 only with trtllm; null or 1 = derived); verl's yaml lacks it
+    moe_tensor_parallel_size: int | None = 1
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -243,12 +246,9 @@ class RolloutConfig:
         check_choice("mode", self.mode, ("async",))
         check_positive("n", self.n)
         check_positive_keys(
-            self,
-            "tensor_model_parallel_size",
-            "data_parallel_size",
-            "expert_parallel_size",
-            "pipeline_model_parallel_size",
+            self, "tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"
         )
+        check_positive_keys(self, "expert_parallel_size", "moe_tensor_parallel_size", optional=True)
         check_unit_interval("gpu_memory_utilization", self.gpu_memory_utilization, open_low=True)
         check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.logprobs_mode is not None:
@@ -256,6 +256,38 @@ class RolloutConfig:
                 "logprobs_mode",
                 self.logprobs_mode,
                 ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"),
+            )
+        self._check_moe_parallel()
+        if self.pipeline_model_parallel_size > 1:
+            raise ConfigValueError(
+                "pipeline_model_parallel_size",
+                f"is {self.pipeline_model_parallel_size} but rollout {self.name!r} has no pipeline parallel in verl;"
+                " use tensor_model_parallel_size / data_parallel_size instead",
+            )
+
+    def _check_moe_parallel(self) -> None:
+        """verl's RolloutConfig rules for the MoE layout of the serving engine (TensorRT-LLM has its own)."""
+        if self.name == "trtllm":
+            # null or 1 leaves a size to TensorRT-LLM; two given sizes must tile the tensor parallel ranks
+            ep = None if self.expert_parallel_size in (None, 1) else self.expert_parallel_size
+            moe_tp = None if self.moe_tensor_parallel_size in (None, 1) else self.moe_tensor_parallel_size
+            if ep is not None and moe_tp is not None and ep * moe_tp != self.tensor_model_parallel_size:
+                raise ConfigValueError(
+                    "moe_tensor_parallel_size",
+                    f"({moe_tp}) x expert_parallel_size ({ep}) must equal tensor_model_parallel_size"
+                    f" ({self.tensor_model_parallel_size}) for trtllm",
+                )
+            return
+        if self.expert_parallel_size is None:
+            raise ConfigValueError(
+                "expert_parallel_size",
+                f"is null, which only trtllm accepts (rollout is {self.name!r}); set it (1 = no expert parallel)",
+            )
+        if self.moe_tensor_parallel_size is not None and self.moe_tensor_parallel_size > 1:
+            raise ConfigValueError(
+                "moe_tensor_parallel_size",
+                f"is {self.moe_tensor_parallel_size} but only trtllm has a MoE tensor parallel size"
+                f" (rollout is {self.name!r}); leave it at 1",
             )
         if self.expert_parallel_size > 1:
             expected = self.tensor_model_parallel_size * self.data_parallel_size
@@ -266,12 +298,6 @@ class RolloutConfig:
                     f" ({self.tensor_model_parallel_size}) x data_parallel_size ({self.data_parallel_size}) = {expected}"
                     " (the serving engine spreads experts over its TP x DP ranks)",
                 )
-        if self.pipeline_model_parallel_size > 1:
-            raise ConfigValueError(
-                "pipeline_model_parallel_size",
-                f"is {self.pipeline_model_parallel_size} but rollout {self.name!r} has no pipeline parallel in verl;"
-                " use tensor_model_parallel_size / data_parallel_size instead",
-            )
 
 
 @dataclass

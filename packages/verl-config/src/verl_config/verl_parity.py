@@ -92,8 +92,8 @@ INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
         ),
         kind="ours_only",
         reason="verl reads them with .get() and its yaml lacks them (scripts add them with '+'; DAPO's overlong"
-        " buffer lives in reward_kwargs, which verl's legacy-reward migration also fills from"
-        " reward_model.reward_kwargs); declared here so they are typed and '+' works as in verl.",
+        " buffer lives in reward_kwargs; reward_model.reward_kwargs is the pre-0.9 spelling, which only verl's"
+        " fully-async entry still moves there); declared here so they are typed and '+' works as in verl.",
     ),
     Difference(
         keys=("*.model.lora_rank", "*.model.lora_alpha", "*.model.target_modules"),
