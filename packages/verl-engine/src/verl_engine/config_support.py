@@ -319,6 +319,8 @@ RULES: tuple[Rule, ...] = (
     Rule(keys=("tokenizer_path", "custom_chat_template", "use_shm", "trust_remote_code"), sections=_MODELS,
          kind=_N, reason="read by verl's tokenizer and model-download helpers; the engine reads config.json and the"
          " safetensors of model.path itself and builds only its supported architectures"),
+    Rule(keys=("lora.fully_sharded_loras",), sections=_MODELS, kind=_N,
+         reason="read by verl's vLLM rollout server (how vLLM shards LoRA weights), not by a training engine"),
     Rule(keys=("external_lib",), sections=_MODELS, kind=_R, allowed=one_of(None), supported="null",
          reason="the engine builds its own supported architectures (qwen2, qwen3, llama) and imports no model code",
          example=("external_lib=my_models",)),
