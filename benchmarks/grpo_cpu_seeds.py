@@ -46,11 +46,8 @@ def run_seed(seed: int, extra: list[str], workdir: Path) -> dict:
     if proc.returncode:
         raise SystemExit(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = {0: None}
-    for line in proc.stdout.splitlines():  # "held-out accuracy after step S: A"
-        if line.startswith("held-out accuracy after step"):
-            step, acc = line.removeprefix("held-out accuracy after step ").split(":")
-            evals[int(step)] = float(acc)
+    # step 0's record is the warm start's evaluation (no training metrics)
+    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
     return {"seed": seed, "wall_s": wall, "eval": evals, "records": records}
 
 
@@ -107,7 +104,7 @@ def main() -> None:
     )
     from verl_engine.apps.grpo_plot import plot_grpo_seeds
 
-    series = {r["seed"]: [{"step": 0, "eval_accuracy": r["eval"][0]}, *r["records"]] for r in runs}
+    series = {r["seed"]: r["records"] for r in runs}  # step 0's record carries the warm start's accuracy
     plot_grpo_seeds(
         series,
         args.png,

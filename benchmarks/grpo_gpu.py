@@ -45,11 +45,8 @@ def run_variant(*, offload: bool, args: argparse.Namespace, workdir: Path) -> di
             f"{'offload' if offload else 'resident'} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("held-out accuracy after step"):
-            step, acc = line.removeprefix("held-out accuracy after step ").split(":")
-            evals[int(step)] = float(acc)
+    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+    records = [r for r in records if "reward_mean" in r]  # the training steps (step 0: the warm start's eval)
     timed = records[1:] or records
     phases = {}
     for phase in PHASES:

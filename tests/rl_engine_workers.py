@@ -652,7 +652,13 @@ def grpo_run(
         rollout = HFRollout(hf_config=hf, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     result = run_grpo(run, workers=workers, rollout=rollout)
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
-    out = {**result, "records": [json.loads(line) for line in lines]}
+    records = [json.loads(line) for line in lines]
+    # "records": the training steps; "eval_records": records without training metrics (step 0's evaluation)
+    out = {
+        **result,
+        "records": [r for r in records if "reward_mean" in r],
+        "eval_records": [r for r in records if "reward_mean" not in r],
+    }
     if check_sync:
         exported = dict(workers.export_weights("actor"))
         params = dict(rollout.model.named_parameters())

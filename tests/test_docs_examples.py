@@ -53,6 +53,17 @@ def test_every_package_has_a_page() -> None:
     assert pages == packages == set(PACKAGES)
 
 
+@pytest.mark.parametrize("dist", list(PACKAGES))
+def test_a_package_readme_runs_the_tested_example(dist: str) -> None:
+    """A package README (its PyPI page) shows one runnable example: exactly its docs page's, which
+    test_example_runs executes; any other code block is fenced ```python title="..."``` as an excerpt."""
+    readme = (ROOT / "packages" / dist / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
+    assert blocks == [example(dist)], (
+        f"packages/{dist}/README.md: its one plain ```python block must be docs/packages/{dist}.md's example"
+    )
+
+
 def _free_ports(n: int) -> list[int]:
     """n distinct ports on 127.0.0.1 that were free a moment ago (held open together, so no repeats)."""
     socks = [socket.socket() for _ in range(n)]

@@ -66,6 +66,7 @@ def test_grpo_loop_invariants_exact_resume_and_offload(tmp_path: Path) -> None:
     assert all(r["entropy"] > 0 and 0 <= r["actor/pg_clipfrac"] <= 1 for r in records)
     assert set(records[0]["seconds"]) == {"sync", "generate", "old_log_prob", "ref_log_prob", "train", "step"}
     assert set(straight["eval"]) == {0, 3, 6}
+    assert straight["eval_records"] == [{"step": 0, "eval_accuracy": straight["eval"][0]}]
     assert straight["sync_names"] and straight["sync_mismatches"] == []
     assert (tmp_path / "a" / "checkpoints" / "global_step_6" / "meta.json").is_file()
 
@@ -86,6 +87,7 @@ def test_grpo_loop_invariants_exact_resume_and_offload(tmp_path: Path) -> None:
     )[0]
     assert resumed["start"] == 3
     assert [_strip(r) for r in resumed["records"]] == [_strip(r) for r in records]
+    assert resumed["eval_records"] == straight["eval_records"]  # the warm start's point survives the resume
 
     offloaded = run_distributed(
         grpo_run,
@@ -256,6 +258,6 @@ def test_grpo_command_under_torchrun_with_two_ranks(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     records = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in records] == [1, 2]
+    assert [json.loads(line)["step"] for line in records] == [0, 1, 2]  # 0: the warm start's evaluation
     assert done.stdout.count("held-out accuracy after step 2") == 1
     assert (out / "checkpoints").is_dir() and (out / "sft" / "config.json").is_file()

@@ -70,6 +70,37 @@ def test_a_dying_rank_is_an_error_not_a_hang() -> None:
         run_distributed(_rank1_dies, world_size=2, timeout_s=120)
 
 
+def _rank1_crashes(rank: int, world_size: int, how: str) -> None:
+    if rank != 1:
+        return
+    if how == "exit":  # what a C++ abort in a collective looks like from Python: a message, then death
+        os.write(2, b"terminate called: gloo::IoException: Connection closed by peer\n")
+        os._exit(3)
+    import faulthandler
+
+    faulthandler._sigsegv()  # a fatal signal: faulthandler writes the Python stack first
+
+
+@pytest.mark.parametrize(
+    ("how", "words"),
+    [
+        ("exit", "gloo::IoException: Connection closed by peer"),
+        ("segfault", "Fatal Python error: Segmentation fault"),
+    ],
+)
+def test_a_crashed_ranks_own_stderr_is_in_the_report(how: str, words: str) -> None:
+    """A rank that dies without a Python exception explains itself: the lines its process wrote to stderr
+    during the call are in the error (a shared worker's stderr goes to its own file, not to whichever test
+    spawned it)."""
+    with pytest.raises(DistributedRunError) as err:
+        run_distributed(_rank1_crashes, world_size=2, args=(how,), timeout_s=120)
+    message = str(err.value)
+    assert "--- rank 1 stderr (last lines) ---" in message and words in message, message
+    assert "rank(s) [1] exited" in message
+    if how == "segfault":
+        assert "_rank1_crashes" in message  # the Python frame that crashed
+
+
 def _rank_tensor(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {"values": torch.arange(1000, dtype=torch.float32) + rank}
 

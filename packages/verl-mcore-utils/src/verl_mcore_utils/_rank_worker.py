@@ -19,6 +19,7 @@ caller may close the rendezvous server as soon as every rank has reported.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
 import pickle
@@ -53,11 +54,18 @@ class Job:
     environ: dict[str, str]  # the caller's variables that may differ from the worker's own (set for the call)
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, log: str | None = None) -> None:
     """Run jobs from ``conn`` until a ``None`` job, the parent's exit, or a failed clean-up.
 
     Each report is ``(call_id, rank, ok, payload)``: ``payload`` is the pickled result, or the traceback.
+    ``log``: the file this process's stderr (file descriptor 2, so C++ messages too) is appended to; a fatal
+    signal writes every thread's Python stack there (faulthandler), so a crash explains itself.
     """
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    faulthandler.enable(all_threads=True)
     _exit_with_parent()
     fresh = _FreshState.capture()
     while True:

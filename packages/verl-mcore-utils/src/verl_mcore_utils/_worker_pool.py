@@ -12,6 +12,11 @@ The next call starts new workers. A pool is also replaced when the caller's envi
 workers were spawned (a spawned process gets the environment once, at start; a test may set a variable
 before calling). Workers are stopped at interpreter exit, and each one also exits when its parent does.
 
+Each worker's stderr goes to its own file (:attr:`_Worker.log`), not to the caller's: a shared worker outlives
+the test that spawned it, so what it prints (a C++ abort message, a fatal signal's Python stack) would land in that
+earlier test's captured output. :func:`verl_mcore_utils.testing.run_distributed` puts the lines a call wrote
+into its failure report instead.
+
 ``VERL_TEST_FRESH_WORKERS=1`` turns the sharing off: every call gets its own workers (for debugging a
 test that might depend on a previous call).
 """
@@ -21,8 +26,11 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -42,6 +50,23 @@ VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 class _Worker:
     process: Any  # a started SpawnProcess
     conn: Connection  # the caller's end of the worker's duplex pipe
+    log: Path  # the worker's stderr
+
+    def log_size(self) -> int:
+        try:
+            return self.log.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int, *, max_lines: int = 60) -> str:
+        """The last ``max_lines`` lines the worker wrote to stderr after byte ``offset``."""
+        try:
+            with self.log.open("rb") as f:
+                f.seek(offset)
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-max_lines:])
 
 
 @dataclass
@@ -50,16 +75,19 @@ class WorkerPool:
 
     environ: dict[str, str] = field(default_factory=lambda: _stable_environ())
     workers: list[_Worker] = field(default_factory=list)
+    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="verl-rank-logs-")))
 
     def grow(self, size: int) -> None:
         """Spawn workers until there are ``size``."""
         ctx = mp.get_context("spawn")
         while len(self.workers) < size:
             ours, theirs = ctx.Pipe(duplex=True)
-            process = ctx.Process(target=serve, args=(theirs,), daemon=True)
+            log = self.logs / f"worker{len(self.workers)}.stderr"
+            log.touch()
+            process = ctx.Process(target=serve, args=(theirs, str(log)), daemon=True)
             process.start()
             theirs.close()  # the worker holds its end: when it exits, reads here end instead of blocking
-            self.workers.append(_Worker(process, ours))
+            self.workers.append(_Worker(process, ours, log))
 
     def healthy(self) -> bool:
         return all(w.process.exitcode is None for w in self.workers)
@@ -86,6 +114,7 @@ class WorkerPool:
             w.process.join()
             w.conn.close()
         self.workers.clear()
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 _shared: WorkerPool | None = None

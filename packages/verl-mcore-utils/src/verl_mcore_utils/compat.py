@@ -59,8 +59,13 @@ def prepare_megatron_import() -> None:
     * megatron-core 0.15 compiles a CUDA extension at import time (inference/unified_memory.py); on a CUDA
       build of torch with no visible GPU that raises IndexError unless TORCH_CUDA_ARCH_LIST is set, in which
       case the failure is caught inside megatron-core. We set it only when it is unset and no GPU is
-      visible, so GPU hosts are untouched.
+      visible, so GPU hosts are untouched;
+    * megatron-core's notices about the fallbacks we chose (no Transformer Engine, Apex or absl) are muted
+      (:mod:`verl_mcore_utils.notices`; ``VERL_MEGATRON_NOTICES=1`` keeps them).
     """
+    from verl_mcore_utils.notices import mute_fallback_notices
+
+    mute_fallback_notices()  # before torch: on a CPU machine torch logs "No CUDA runtime" when megatron loads
     import torch
 
     mcore_version()

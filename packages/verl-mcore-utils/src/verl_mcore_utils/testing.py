@@ -75,27 +75,32 @@ def run_distributed(
     )
     pool = WorkerPool() if fresh else shared_pool(world_size)
     replies = _Replies(call_id=_calls, pending=set(range(world_size)))
+    log_starts: list[int] = []
     try:
         pool.grow(world_size)
+        log_starts = [w.log_size() for w in pool.workers[:world_size]]
         for rank in range(world_size):
             pool.submit(rank, _job(_calls, rank, world_size, server.port, backend, timeout_s, payload))
         _collect(pool.workers[:world_size], replies, timeout_s=timeout_s)
     except BaseException as err:  # a timeout, a silent death, or an interrupt: these workers are done for
-        discard(pool)
         if isinstance(err, DistributedRunError):
+            err = DistributedRunError(str(err) + _stderr_tails(pool, log_starts))
+            discard(pool)
             _report(str(err))
+            raise err from None
+        discard(pool)
         raise
     finally:
         del server
     failures, died = replies.failures, replies.died
     if failures:
-        discard(pool)
         lines = [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items())]
         if died:  # a rank that died without a report (e.g. killed, os._exit) explains the others' errors
             lines.append(
                 f"rank(s) {sorted(died)} exited with codes {[died[r] for r in sorted(died)]} without reporting"
             )
-        message = "distributed run failed:\n" + "\n".join(lines)
+        message = "distributed run failed:\n" + "\n".join(lines) + _stderr_tails(pool, log_starts)
+        discard(pool)
         _report(message)
         raise DistributedRunError(message)
     if fresh:
@@ -205,6 +210,18 @@ def _record(item: tuple[int, bool, Any], results: dict[int, Any], failures: dict
         results[rank] = pickle.loads(payload)
     else:
         failures[rank] = payload
+
+
+def _stderr_tails(pool: WorkerPool, starts: list[int]) -> str:
+    """What each rank wrote to stderr during the call (its worker's log from the call's start): a crashed
+    rank's own last words, e.g. a C++ exception's message or the Python stack faulthandler prints."""
+    parts = []
+    for rank, start in enumerate(starts):
+        if rank < len(pool.workers):
+            text = pool.workers[rank].log_since(start)
+            if text.strip():
+                parts.append(f"--- rank {rank} stderr (last lines) ---\n{text}")
+    return ("\n" + "\n".join(parts)) if parts else ""
 
 
 def _report(message: str) -> None:

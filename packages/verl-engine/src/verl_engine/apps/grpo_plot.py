@@ -44,12 +44,13 @@ def _figure():  # type: ignore[no-untyped-def]
     return plt, fig, top, bottom
 
 
-def plot_grpo_metrics(
-    metrics_path: str | Path, png_path: str | Path, *, eval_at_start: float | None = None
-) -> Path:
-    """One run's ``metrics.jsonl`` as a PNG: train reward, held-out accuracy (step 0 = the warm start), KL."""
+def plot_grpo_metrics(metrics_path: str | Path, png_path: str | Path) -> Path:
+    """One run's ``metrics.jsonl`` as a PNG: train reward, held-out accuracy (the step-0 record is the warm
+    start's, with no training metrics), KL."""
     records = _records(metrics_path)
     plt, fig, top, bottom = _figure()
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    records = [r for r in records if "reward_mean" in r]
     steps = [r["step"] for r in records]
     top.plot(
         steps,
@@ -58,9 +59,6 @@ def plot_grpo_metrics(
         alpha=0.6,
         label="train reward (mean of n samples)",
     )
-    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
-    if eval_at_start is not None:
-        evals.insert(0, (0, eval_at_start))
     if evals:
         top.plot(*zip(*evals, strict=True), "o-", color="tab:red", label="held-out accuracy (greedy)")
     top.legend(loc="lower right")

@@ -185,13 +185,18 @@ def _run(
     )
     history: dict[str, Any] = {"eval": {}}
     if start == 0:
+        # the warm start's accuracy is the run's first record (step 0, no training metrics), so a resumed run's
+        # file and plot keep it
         history["eval"][0] = evaluate(workers, rollout, plan.task, params, colo)
         _eval_line(run, 0, total=int(cfg.trainer.total_training_steps), accuracy=history["eval"][0])
+        if is_rank0():
+            with plan.metrics_file.open("a") as f:
+                f.write(json.dumps({"eval_accuracy": history["eval"][0], "step": 0}, sort_keys=True) + "\n")
     last = _run_steps(loop, run=run, plan=plan, start=start, history=history, on_step=on_step, stop=stop)
     if run.plot and is_rank0():
         from verl_engine.apps.grpo_plot import plot_grpo_metrics
 
-        plot_grpo_metrics(plan.metrics_file, plan.out / "grpo.png", eval_at_start=history["eval"].get(0))
+        plot_grpo_metrics(plan.metrics_file, plan.out / "grpo.png")
     return {"last": last, "eval": history["eval"], "start": start}
 
 

@@ -5,7 +5,8 @@ SyntaxWarning when Python first compiles megatron-core's sources, "GPTModel IS D
 CUDA runtime is found" on a CPU machine. They concern those libraries, not the user's run, and they bury
 the lines that do. Each filter below names its source (module, logger, message); warnings from our own
 packages and every error still show. Only command-line entry points call this: a library must not change
-the warning filters of the program that imports it.
+the warning filters of the program that imports it beyond the narrow set of fallback notices that
+``verl_mcore_utils.notices`` mutes (those about running without Transformer Engine / Apex, by message).
 """
 
 from __future__ import annotations
