@@ -359,6 +359,17 @@ def test_ppo_loss_runs_bypass_mode_and_ignores_the_batchs_weights() -> None:
     } <= set(metrics)
 
 
+def test_an_empty_micro_batch_gives_zero_loss_and_finite_metrics() -> None:
+    """verl raises on a batch without a valid token; a micro-batch of empty responses is 0 here, as for every loss."""
+    batch = {**_loss_batch(), "response_mask": torch.zeros(4, 5, dtype=torch.bool)}
+    cfg = _bypass_config(
+        loss_type="reinforce", rollout_is="sequence", rollout_rs="seq_max_k3", rollout_rs_threshold=1.0
+    )
+    loss, grad, metrics = _bypass(batch, cfg)
+    assert float(loss) == 0 and not grad.any()
+    assert all(math.isfinite(float(m.value)) for m in metrics.values()), metrics
+
+
 def test_bypass_mode_without_its_section_says_where_it_comes_from() -> None:
     batch = _loss_batch()
     cfg = {**_bypass_config(), "policy_loss": {"loss_mode": "bypass_mode"}}

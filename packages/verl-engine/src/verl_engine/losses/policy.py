@@ -430,8 +430,9 @@ def bypass_mode_policy_loss(
     (:mod:`~verl_engine.losses.rollout_correction`, with verl's trainer copying ``algorithm.rollout_correction``
     to ``policy_loss.rollout_correction``). ``loss_type`` ``ppo_clip``: the vanilla PPO loss (its ratio already
     is pi / pi_rollout, so the weights only feed metrics); ``reinforce``: ``-A * logp * w``, with ``ppo_kl``
-    of the unclamped log ratio. Either way over the tokens the rejection kept, and the batch's
-    ``rollout_is_weights`` are ignored, as in verl. Every part is per sequence, so a step does not depend on
+    of the unclamped log ratio. Either way over the tokens the rejection kept (:attr:`PolicyTerms.mask`: a
+    rejected token still counts in ``batch_num_tokens``, as in verl), and the batch's ``rollout_is_weights`` are
+    ignored, as in verl. Every part is per sequence, so a step does not depend on
     the micro-batching, except ``rollout_is_batch_normalize`` with ``reinforce`` (refused at build).
     """
     name = "bypass_mode policy loss"
