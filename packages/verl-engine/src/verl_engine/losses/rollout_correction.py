@@ -5,7 +5,8 @@ tokens come from pi_rollout while the loss wants pi_train. Importance weights ``
 the gradient's expectation; rejection drops the tokens or sequences whose divergence says the sample is useless.
 Everything is computed from ``log_ratio = log pi_train - log pi_rollout`` of each sequence alone (only
 ``rollout_is_batch_normalize`` looks at the whole tensor), in verl's definitions: the same thresholds, the
-same clamps, the same metrics' names. Nothing here reads a value on the host.
+same clamps, the same metrics' names. Means divide by exact counts (verl adds 1e-8 to an integer count of a bool
+mask, which float32 rounds away). Nothing here reads a value on the host.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ def importance_weights(
     lower: float | None = None,
     batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """Detached importance weights ``[B, R]`` (0 on padding) and their metrics (verl's compute_rollout_correction_weights).
+    """Detached importance weights ``[B, R]`` (0 on padding) and their metrics (verl's
+    ``compute_rollout_correction_weights``).
 
     ``level`` token: ``exp(log r)`` per token; sequence: ``exp(sum_t log r)`` on every token of the sequence,
     both with ``log r`` clamped to +-20. ``lower`` None: truncated to ``upper`` (TIS); else zeroed outside
