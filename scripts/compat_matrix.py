@@ -104,6 +104,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "verl-engine",
+        "rollout correction (IS weights, rejection sampling), bypass_mode",
+        ("test_rollout_correction",),
+    ),
+    (
+        "verl-engine",
         "log-probs, entropy, fused LM head",
         ("test_logprobs", "test_fused_head", "test_gpu_vocab_kernels", "test_vocab_kernels_interpreted"),
     ),

@@ -78,6 +78,7 @@ def ppo_step_watched(rank: int, world_size: int, model_dir: str, device: str, ov
     """One actor train step (PPO loss with entropy and KL terms): 4 sequences, one per rank per micro-batch."""
     from rl_engine_workers import _engine, verl_batch
 
+    from verl_engine import loss_config
     from verl_engine.losses import ppo_loss
 
     engine, cfg = _engine(
@@ -97,7 +98,7 @@ def ppo_step_watched(rank: int, world_size: int, model_dir: str, device: str, ov
         "calculate_entropy": True,
     }
     loss = WatchedLoss(
-        functools.partial(ppo_loss, config=cfg.actor_rollout_ref.actor),
+        functools.partial(ppo_loss, config=loss_config(cfg, role="actor")),
         micro_batches=4 // world_size,
         device=device,
     )

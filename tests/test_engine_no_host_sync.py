@@ -36,6 +36,21 @@ def test_cpu_ppo_step_reads_nothing_on_the_host_between_micro_batches(model_dir:
         _check(out)
 
 
+def test_cpu_bypass_mode_step_reads_nothing_on_the_host_between_micro_batches(model_dir: str) -> None:
+    """The rollout correction (weights, chained rejection, its metrics) stays on the device too."""
+    bypass = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0",
+        "algorithm.rollout_correction.rollout_rs='token_k1,seq_max_k3'",
+        "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+    ]
+    for out in run_distributed(ppo_step_watched, world_size=1, args=(model_dir, "cpu", bypass)):
+        _check(out)
+        assert math.isfinite(out["metrics"]["rollout_corr/rollout_rs_masked_fraction"])
+
+
 @pytest.mark.num_gpus(1)
 def test_gpu_ppo_step_has_no_host_sync_between_micro_batches(model_dir: str) -> None:
     """torch.cuda.set_sync_debug_mode("error") raises at any synchronising call inside the window."""

@@ -5,7 +5,8 @@ Public API (the engine core; what drives it lives in :mod:`verl_engine.apps`):
 * :class:`RLEngine`, verl's engine surface (``forward_backward_batch``, ``train_batch``, ``infer_batch``,
   ``train_mode`` / ``eval_mode``, ``optimizer_step``, ``lr_scheduler_step`` ...), built by
   :func:`rl_engine_from_config` from a loaded verl-config ``ppo_trainer`` config or :func:`build_rl_engine`
-  from the sections; :class:`MicroBatching`, :class:`RLBatch`.
+  from the sections; :class:`MicroBatching`, :class:`RLBatch`; :func:`loss_config`, the config a role's loss is
+  bound with (verl's trainer's, e.g. ``bypass_mode`` from ``algorithm.rollout_correction``).
 * Losses (:mod:`verl_engine.losses`: ``ppo_loss``, ``value_loss``, ``sft_loss`` ...) returning device tensors and
   :class:`Metric` values with their :class:`Reduction`; the learning-rate schedule :class:`LRSchedule`;
   vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`); packed batches and CP
@@ -39,6 +40,7 @@ _LAZY: dict[str, str] = {
     "build_rl_engine": "verl_engine.build",
     "check_supported": "verl_engine.refusals",
     "cp_layout_from_config": "verl_engine.packed",
+    "loss_config": "verl_engine.loss_binding",
     "lr_schedule_from_config": "verl_engine.lr_schedule",
     "rl_engine_from_config": "verl_engine.build",
     "split_packed_micro_batches": "verl_engine.packed",

@@ -171,8 +171,8 @@ RULES: tuple[Rule, ...] = (
          reason="read by verl_engine.losses.ppo_loss (the actor section is its config)"),
     Rule(keys=("policy_loss.loss_mode",), sections=(ACTOR,), kind=_R, allowed=_policy_loss_supported,
          supported="a registered policy loss (verl_engine.losses.POLICY_LOSSES)",
-         reason="verl's clip_cov and kl_cov depend on the micro-batching; bypass_mode needs the rollout's"
-         " log-probs", evidence=(_LOSS_PARITY,),
+         reason="verl's clip_cov and kl_cov depend on the micro-batching (bypass_mode is selected by"
+         " algorithm.rollout_correction.bypass_mode=true, as in verl)", evidence=(_LOSS_PARITY,),
          example=("policy_loss.loss_mode=clip_cov",)),
     Rule(keys=("policy_loss.clip_cov_*", "policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
          sections=(ACTOR,), kind=_R,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_engine.loss_binding import loss_config
+
 __all__ = ["NOT_IMPLEMENTED_POLICY_LOSSES", "check_supported"]
 
 # verl 0.9.1's registered policy losses that verl-engine does not implement, and why
@@ -17,19 +19,27 @@ NOT_IMPLEMENTED_POLICY_LOSSES = {
     " depend on the micro-batching and every rank would have to draw the same tokens",
     "kl_cov": "it penalises the top tokens of each micro-batch's covariance statistics, so a step would depend on the"
     " micro-batching",
-    "bypass_mode": "it takes the rollout's log-probs as the old policy (algorithm.rollout_correction), which the engine"
-    " does not consume yet",
 }
 
 
 def check_supported(cfg: Any, *, role: str) -> None:
     """Raise ValueError naming every setting of ``role``'s sections that is valid verl but not implemented here.
 
-    The refused keys and what is supported instead: :data:`verl_engine.config_support.RULES`.
+    The refused keys and what is supported instead: :data:`verl_engine.config_support.RULES`; for the actor, also
+    the loss as verl's trainer configures it (:func:`~verl_engine.loss_binding.loss_config`: ``bypass_mode``
+    with ``algorithm.rollout_correction``).
     """
     from verl_engine.config_support import refusal_problems
+    from verl_engine.losses import POLICY_LOSSES, bypass_mode_policy_loss
 
     problems = refusal_problems(cfg, role=role, describe={_LOSS_MODE: _policy_loss})
+    if role == "actor":
+        actor = loss_config(cfg, role="actor")
+        if (
+            actor.policy_loss.loss_mode == "bypass_mode"
+            and POLICY_LOSSES.get("bypass_mode") is bypass_mode_policy_loss
+        ):
+            problems += _bypass_mode(actor.policy_loss)
     if problems:
         raise ValueError(f"verl-engine cannot build the {role}: " + "; ".join(problems))
 
@@ -51,3 +61,31 @@ def _policy_loss(mode: Any) -> str:
         f"{what}; implemented: {implemented} (or register your own with"
         " verl_engine.losses.register_policy_loss before building the engine)"
     )
+
+
+def _bypass_mode(policy: Any) -> list[str]:
+    """bypass_mode needs algorithm.rollout_correction (parsed here, so a bad spec fails before any model) and must
+    not depend on the micro-batching."""
+    from verl_engine.losses import RolloutCorrection
+
+    key = "algorithm.rollout_correction"
+    section = getattr(policy, "rollout_correction", None)
+    if section is None:
+        return [
+            "actor_rollout_ref.actor.policy_loss.loss_mode='bypass_mode' without"
+            f" {key}.bypass_mode=true is valid verl but not implemented by verl-engine: verl's trainer then"
+            " recomputes the old log-probs and its loss reads PolicyLossConfig's default rollout_correction, not"
+            f" {key}; set {key}.bypass_mode=true, which selects this loss, the rollout's log-probs and {key}"
+        ]
+    try:
+        settings = RolloutCorrection.from_config(section)
+    except ValueError as error:
+        return [str(error)]
+    if settings.loss_type == "reinforce" and settings.is_level is not None and settings.is_batch_normalize:
+        return [
+            f"{key}.rollout_is_batch_normalize=true with bypass_mode=true and loss_type='reinforce' is valid verl"
+            " but not implemented by verl-engine: verl divides the importance weights by their mean over each"
+            " micro-batch inside the loss, so a step would depend on the micro-batching; set"
+            " rollout_is_batch_normalize=false (or loss_type='ppo_clip', where the weights only feed metrics)"
+        ]
+    return []

@@ -228,6 +228,12 @@ def _plan(run: GRPORun) -> _Plan:
         tokenizer=tokens,
     )
     cfg = load_config(overrides=overrides)
+    correction = cfg.algorithm.rollout_correction
+    if correction is not None and correction.bypass_mode:
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old policy's, and"
+            " this loop's rollout (verl_engine.apps.rollout) returns none: it recomputes them; set bypass_mode=false"
+        )
     if resuming:
         from verl_engine.checkpoint import latest_step
 

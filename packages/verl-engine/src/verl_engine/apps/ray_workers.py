@@ -141,11 +141,11 @@ class EngineWorker:
         from functools import partial
 
         from verl_engine import losses
+        from verl_engine.loss_binding import loss_config
 
         engine = self.engines[role]
         if method in ("train_batch", "forward_backward_batch"):
-            cfg = self.configs[role]
-            section = cfg.critic if role == "critic" else cfg.actor_rollout_ref.actor
+            section = loss_config(self.configs[role], role=role)
             fn = {"ppo": losses.ppo_loss, "value": losses.value_loss, "sft": losses.sft_loss}[loss or "ppo"]
             with engine.train_mode():
                 out = getattr(engine, method)(data, partial(fn, config=section), **kwargs)

@@ -8,7 +8,7 @@ mode (``register_policy_loss``) is a few lines and cannot get the normalisation 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -16,12 +16,14 @@ import torch
 
 from verl_engine.losses.agg import agg_loss
 from verl_engine.losses.common import config_value, masked, masked_mean
+from verl_engine.losses.rollout_correction import RolloutCorrection, rollout_correction
 from verl_engine.metrics import Metric
 
 __all__ = [
     "POLICY_LOSSES",
     "PolicyLossFn",
     "PolicyTerms",
+    "bypass_mode_policy_loss",
     "cispo_policy_loss",
     "dppo_kl_policy_loss",
     "dppo_tv_policy_loss",
@@ -46,8 +48,16 @@ class PolicyTerms:
 
     ``clipped`` / ``clipped_lower``: where the clip / the dual clip bound the loss (None: the mode has no
     such clip, its fraction is 0). ``loss_agg_mode``: set by a mode that fixes its own aggregation, else
-    the config's applies. ``weighted``: the mode applied the rollout importance weights itself (a
-    sequence-level mode weights whole sequences), so the skeleton must not multiply them in again.
+    the config's applies. ``weighted``: the mode handled the rollout importance weights itself (a
+    sequence-level mode weights whole sequences; ``bypass_mode`` computes its own instead of the batch's),
+    so the skeleton must not multiply the batch's in.
+
+    ``mask``: the tokens that count, when a mode drops some (``bypass_mode``'s rejection sampling); None is
+    ``response_mask``. The skeleton aggregates the loss and takes the clip fractions and ``ppo_kl`` over it
+    (intersected with ``response_mask``), while the global counts of ``agg_kwargs`` stay those of the batch:
+    verl 0.9.1's engine counts ``batch_num_tokens`` from the loss mask before the loss runs, so a dropped token
+    adds 0 to the numerator but still counts in the ``token-mean`` denominator, and a sequence with every token
+    dropped still counts in ``global_batch_size``. ``metrics``: the mode's own (MEAN), added to the skeleton's.
     """
 
     losses: torch.Tensor
@@ -56,6 +66,8 @@ class PolicyTerms:
     clipped_lower: torch.Tensor | None = None
     loss_agg_mode: str | None = None
     weighted: bool = False
+    mask: torch.Tensor | None = None
+    metrics: Mapping[str, Metric] = field(default_factory=dict)
 
 
 PolicyLossFn = Callable[..., PolicyTerms]
@@ -105,7 +117,8 @@ def policy_loss(
     agg_kwargs: Mapping[str, Any],
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """The mode's per-token loss, times the rollout importance weights, aggregated; its metrics (MEAN)."""
+    """The mode's per-token loss, times the rollout importance weights, aggregated over the tokens that count
+    (``response_mask``, or the mode's :attr:`PolicyTerms.mask`); its metrics (MEAN)."""
     terms = get_policy_loss_fn(loss_mode)(
         log_prob=log_prob,
         old_log_prob=old_log_prob,
@@ -116,16 +129,18 @@ def policy_loss(
     )
     weighted = rollout_is_weights is None or terms.weighted
     losses = terms.losses if weighted else terms.losses * rollout_is_weights
+    mask = response_mask if terms.mask is None else terms.mask.bool() & response_mask.bool()
     pg_loss = agg_loss(
         loss_mat=losses,
-        loss_mask=response_mask,
+        loss_mask=mask,
         loss_agg_mode=terms.loss_agg_mode or loss_agg_mode,
         **agg_kwargs,
     )
     metrics = {
-        "actor/pg_clipfrac": _fraction(terms.clipped, response_mask),
-        "actor/pg_clipfrac_lower": _fraction(terms.clipped_lower, response_mask),
-        "actor/ppo_kl": Metric(masked_mean(-terms.log_ratio, response_mask)),
+        "actor/pg_clipfrac": _fraction(terms.clipped, mask),
+        "actor/pg_clipfrac_lower": _fraction(terms.clipped_lower, mask),
+        "actor/ppo_kl": Metric(masked_mean(-terms.log_ratio, mask)),
+        **terms.metrics,
     }
     return pg_loss, metrics
 
@@ -395,3 +410,51 @@ def geo_mean_policy_loss(
         loss_agg_mode="seq-mean-token-mean",
         weighted=True,
     )
+
+
+@register_policy_loss("bypass_mode")
+def bypass_mode_policy_loss(
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any,
+    **_: Any,
+) -> PolicyTerms:
+    """verl 0.9.1's bypass mode: the old policy *is* the rollout's, corrected by ``policy_loss.rollout_correction``.
+
+    Why: recomputing the old log-probs costs a forward pass over the batch; bypass mode takes the rollout's
+    (the trainer sets ``old_log_probs = rollout_log_probs``) and handles their mismatch with pi_train here:
+    importance weights and rejection from ``log r = sg(logp) - old_log_prob``
+    (:mod:`~verl_engine.losses.rollout_correction`, with verl's trainer copying ``algorithm.rollout_correction``
+    to ``policy_loss.rollout_correction``). ``loss_type`` ``ppo_clip``: the vanilla PPO loss (its ratio already
+    is pi / pi_rollout, so the weights only feed metrics); ``reinforce``: ``-A * logp * w``, with ``ppo_kl``
+    of the unclamped log ratio. Either way over the tokens the rejection kept (:attr:`PolicyTerms.mask`: a
+    rejected token still counts in ``batch_num_tokens``, as in verl), and the batch's ``rollout_is_weights`` are
+    ignored, as in verl. Every part is per sequence, so a step does not depend on
+    the micro-batching, except ``rollout_is_batch_normalize`` with ``reinforce`` (refused at build).
+    """
+    name = "bypass_mode policy loss"
+    policy = config_value(config, "policy_loss", loss=name)
+    section = config_value(policy, "rollout_correction", loss=name, default=None)
+    if section is None:
+        raise ValueError(
+            f"{name} needs config.policy_loss.rollout_correction (verl's trainer copies algorithm.rollout_correction"
+            " there when algorithm.rollout_correction.bypass_mode=true; verl_engine.loss_config(cfg, role='actor')"
+            " does the same for a verl-config config)"
+        )
+    settings = RolloutCorrection.from_config(section)
+    weights, keep, metrics = rollout_correction(
+        log_ratio=log_prob.detach() - old_log_prob, response_mask=response_mask, settings=settings
+    )
+    if settings.loss_type == "ppo_clip":
+        terms = vanilla_policy_loss(
+            log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, config=config
+        )
+    else:
+        losses = -advantages * log_prob
+        terms = PolicyTerms(
+            losses=losses if weights is None else losses * weights, log_ratio=log_prob - old_log_prob
+        )
+    return replace(terms, weighted=True, mask=keep, metrics=metrics)
