@@ -126,6 +126,7 @@ def _job(
     )
 
 
+_FAILURE_GRACE_S = 5.0  # after one rank's error, how long the others may still report theirs
 _calls = 0  # numbers the calls: a report always names the call it belongs to
 
 
@@ -171,10 +172,19 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
         if replies.died and not failures:
             dead = sorted(replies.died)
             raise DistributedRunError(f"rank(s) {dead} exited with codes {[replies.died[r] for r in dead]}")
-    if failures:  # a rank that died explains the others' errors: give a dying process a moment to exit
-        time.sleep(0.5)
-        for rank in sorted(pending):
-            _note_death(workers[rank], rank, replies)
+    if failures:
+        # The first error is often a consequence ("connection closed by peer"): the rank that failed first, or
+        # died, holds the cause. Give the others a few seconds to report or exit; a rank blocked in a
+        # collective will not, and is killed with the pool.
+        grace = time.monotonic() + _FAILURE_GRACE_S
+        while pending and time.monotonic() < grace:
+            handles = [workers[r].conn for r in pending] + [workers[r].process.sentinel for r in pending]
+            for ready in wait(handles, timeout=max(0.0, min(grace - time.monotonic(), 0.5))):
+                rank = by_conn.get(ready) if isinstance(ready, Connection) else None
+                if rank is not None and rank in pending:
+                    _read(workers[rank].conn, rank, replies)
+            for rank in sorted(pending):
+                _note_death(workers[rank], rank, replies)
 
 
 def _note_death(worker: Any, rank: int, replies: _Replies) -> None:
