@@ -734,12 +734,26 @@ def check_root(verl_root: Path, *, what: str) -> Path:
     return verl_root
 
 
+def write_verl_yaml_keys(*, out: Path) -> Path:
+    """The package's list of the keys verl's yaml declares (``verl_config.verl_keys``: the loader applies Hydra's
+    rule for '+' with it), from the yaml files just stored in ``out``."""
+    from verl_config.verl_keys import VERL_YAML_KEYS_FILE, flatten_yaml_keys
+
+    keys = flatten_yaml_keys((out / name).read_text(encoding="utf-8") for name in YAML_FILES)
+    origin = json.loads((out / REFERENCE_JSON).read_text())
+    release = origin.get("release") or origin.get("commit")
+    VERL_YAML_KEYS_FILE.write_text(json.dumps({"release": release, "keys": keys}, indent=1) + "\n")
+    return VERL_YAML_KEYS_FILE
+
+
 def emit(*, args: argparse.Namespace, out: Path, files: dict[str, bytes], label: str) -> int:
     """Write the files, or (--check) compare them with the stored ones: 0 when equal, 1 with a diff."""
     if not args.check:
         write_files(out=out, files=files)
         for name in sorted(files):
             print(f"wrote {out / name} ({len(files[name])} bytes)")
+        if out == DEFAULT_OUT.resolve():
+            print(f"wrote {write_verl_yaml_keys(out=out)}")
         return 0
     with tempfile.TemporaryDirectory(prefix="verl_reference_") as tmp:
         write_files(out=Path(tmp), files=files)

@@ -139,10 +139,22 @@ def test_open_dicts_accept_new_keys_with_or_without_plus() -> None:
 
 def test_plus_on_existing_key_and_on_typed_section_are_refused() -> None:
     cfg = _tree()
-    with pytest.raises(ConfigKeyError, match="already exists; use .*=VALUE"):
-        apply_override(
-            cfg, "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mlp]"
-        )
+    # Hydra's rule where verl's yaml has the key: '+' refused on a key holding a value ...
+    with pytest.raises(ConfigKeyError, match="already exists; use .*=VALUE.*Hydra refuses"):
+        apply_override(cfg, "+actor_rollout_ref.actor.clip_ratio=0.3")
+    # ... accepted on a key holding null, and with a list or dict value (merged)
+    apply_override(
+        cfg, "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=block"
+    )
+    apply_override(
+        cfg, "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mlp]"
+    )
+    node = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    assert node.recompute_method == "block" and list(node.recompute_modules) == ["mlp"]
+    # a key only this schema declares (verl's yaml lacks it): '+' sets it while it holds its default
+    apply_override(cfg, "+actor_rollout_ref.actor.megatron.grad_offload=true")
+    with pytest.raises(ConfigKeyError, match="already exists"):
+        apply_override(cfg, "+actor_rollout_ref.actor.megatron.grad_offload=false")
     with pytest.raises(
         ConfigKeyError, match="cannot add a key to the typed section 'actor_rollout_ref.actor.optim'"
     ):

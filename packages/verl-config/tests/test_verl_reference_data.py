@@ -480,3 +480,13 @@ def test_verl_config_knows_every_built_in_name_of_verls_registries() -> None:
     registries = _json("registries.json")
     assert sorted(POLICY_LOSS_MODES) == sorted(registries["policy_losses"])
     assert sorted(ADV_ESTIMATORS) == sorted(registries["advantage_estimators"])
+
+
+def test_the_packages_list_of_verl_yaml_keys_is_the_stored_yamls() -> None:
+    """The loader's Hydra rule for '+' reads which keys verl's yaml has from the package
+    (verl_config/config/verl_yaml_keys.json); it must be the stored release's (the refresh script writes both)."""
+    from verl_config.verl_keys import VERL_YAML_KEYS_FILE, flatten_yaml_keys
+
+    shipped = json.loads(VERL_YAML_KEYS_FILE.read_text())
+    assert shipped["keys"] == flatten_yaml_keys((DATA / name).read_text() for name in YAMLS)
+    assert shipped["release"] == _json("REFERENCE.json")["release"]

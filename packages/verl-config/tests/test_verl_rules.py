@@ -127,10 +127,10 @@ def test_rules_stricter_than_verl_are_notes(overrides: list[str], note_pattern: 
         ["actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name=sglang"],
         [f"{A}.kl_loss_type=k3+", "algorithm.kl_penalty=low_var_kl+"],
         [f"{A}.use_torch_compile=false", "actor_rollout_ref.actor.megatron.dist_checkpointing_prefix=model."],
-        [
+        [  # '+' on a key verl's yaml holds as null is Hydra's "add"; filter_groups holds values: no '+'
             "+data.gen_batch_size=512",
-            "+algorithm.filter_groups.enable=true",
-            "+algorithm.filter_groups.metric=acc",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=acc",
         ],
         ["algorithm.filter_groups.enable=true"],  # verl 0.9.1: metric defaults to "reward"
         [
@@ -164,7 +164,7 @@ def test_configurations_verl_accepts_load(overrides: list[str]) -> None:
     cfg = _load(*ACTOR_ONLY, "critic.enable=false", *overrides)
     if "trainer.logger=console" in overrides:
         assert cfg.trainer.logger == ["console"]
-    if "+algorithm.filter_groups.enable=true" in overrides:
+    if "+data.gen_batch_size=512" in overrides:
         assert (
             cfg.algorithm.filter_groups.enable,
             cfg.algorithm.filter_groups.metric,
@@ -264,6 +264,8 @@ def test_fsdp2_strategy_and_ulysses_rules() -> None:
         ),
         (["+actor_rollout_ref.actor.made_up=1"], ConfigKeyError, r"cannot add a key to the typed section"),
         ([f"{A}.clip_ratio_low=0.25", f"+{A}.clip_ratio_low=0.3"], ConfigKeyError, r"already exists"),
+        # verl 0.9.1's yaml holds filter_groups.enable=false: Hydra refuses '+' there ("Could not append")
+        (["+algorithm.filter_groups.enable=true"], ConfigKeyError, r"already exists.*Hydra refuses"),
         (
             # verl 0.9.1 moved router replay from the actor into its engine section (megatron.router_replay)
             [f"{A}.megatron.router_replay.mode=R9"],

@@ -23,6 +23,7 @@ from omegaconf import errors as oc_errors
 from verl_config.errors import ConfigError, ConfigKeyError, ConfigTypeError, ConfigValueError, ErrorCollector
 from verl_config.notes import ConfigNote, defaults_only
 from verl_config.overrides import Override, format_value, parse_override
+from verl_config.verl_keys import verl_yaml_declares
 
 __all__ = [
     "apply_override",
@@ -168,13 +169,10 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
         with open_dict(parent):
             del parent[leaf]
         return
-    # verl's command lines add keys with '+' that verl's yaml lacks but this schema declares
-    # (override_transformer_config.recompute_method, data.gen_batch_size, algorithm.filter_groups.*):
-    # '+' on a key that still holds its declared default sets it; '+' on a key that was already given
-    # a value is a mistake (Hydra refuses '+' on an existing key too).
-    if ov.kind == "add" and exists and not _holds_default(parent, leaf):
+    if ov.kind == "add" and exists and not _plus_allowed(parent, leaf, ov):
         raise ConfigKeyError(
-            f"override {ov.text!r}: '{ov.key}' already exists; use {ov.key}=VALUE to change it (or ++{ov.key}=VALUE)"
+            f"override {ov.text!r}: '{ov.key}' already exists; use {ov.key}=VALUE to change it (or"
+            f" ++{ov.key}=VALUE): verl's Hydra refuses '+' on a key that holds a value"
         )
     if not exists and closed:
         if ov.kind in ("add", "force_add"):
@@ -186,6 +184,21 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
     else:
         with open_dict(parent):
             parent[leaf] = ov.value
+
+
+def _plus_allowed(parent: DictConfig, leaf: str, ov: Override) -> bool:
+    """Whether ``+key=value`` may set the existing ``key``, by Hydra's rule where verl's yaml has the key.
+
+    Hydra (verl's launcher) accepts ``+key`` on an existing key only when the key holds null or the value is a
+    dict or a list (then merged), and refuses it otherwise ("Could not append to config"). A key this schema
+    declares but verl's yaml lacks (:mod:`verl_config.verl_keys`: a field of verl's dataclasses, a key verl reads
+    with ``.get()``, or one of ours) is added by verl's command lines with '+': that sets it while it still holds
+    its default.
+    """
+    if not verl_yaml_declares(ov.key):
+        return _holds_default(parent, leaf)
+    node = parent._get_node(leaf)
+    return node is None or node._is_none() or isinstance(ov.value, dict | list)
 
 
 def _holds_default(parent: DictConfig, leaf: str) -> bool:
