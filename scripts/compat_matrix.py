@@ -139,8 +139,8 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "verl-config -> megatron-core", ("test_config_to_mcore",)),
     (
         "verl-engine",
-        "docs: examples, API entries, this matrix",
-        ("test_engine_doc", "test_docs_examples", "test_compat_matrix"),
+        "docs: examples, API entries, documented commands, this matrix",
+        ("test_engine_doc", "test_docs_examples", "test_docs_commands", "test_compat_matrix"),
     ),
     (
         "verl-engine",
