@@ -49,6 +49,7 @@ warnings.warn("the program's own warning")
 """
 
 
+@pytest.mark.above_engine  # ~35 s each (a fresh interpreter imports megatron-core); the notices are 0.19's
 @pytest.mark.parametrize("show", [False, True])
 def test_megatron_fallback_notices_are_muted_unless_asked_for(show: bool) -> None:
     """Importing every package and building a model prints none of megatron-core's notices about running
