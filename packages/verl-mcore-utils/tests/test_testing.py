@@ -101,6 +101,34 @@ def test_a_crashed_ranks_own_stderr_is_in_the_report(how: str, words: str) -> No
         assert "_rank1_crashes" in message  # the Python frame that crashed
 
 
+def _create_gloo_process_group(flag: Path) -> None:
+    """Named like torch's gloo constructor: a failure here reads, in the traceback, as a failed rendezvous."""
+    raise RuntimeError("Gloo connectFullMesh failed with ... Connection closed by peer")
+
+
+def _rendezvous_fails_once(rank: int, world_size: int, flag: str) -> int:
+    done = Path(flag) / f"rank{rank}"
+    if not done.exists():
+        done.touch()
+        _create_gloo_process_group(done)
+    return rank
+
+
+def test_a_failed_rendezvous_is_retried_once_on_new_workers(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every failing rank failed joining the process group (the function never ran): the call runs again on
+    new workers, once, and says so; a second such failure is the call's error."""
+    assert run_distributed(_rendezvous_fails_once, world_size=2, args=(str(tmp_path),)) == [0, 1]
+    assert "retrying the call once on new workers" in capfd.readouterr().err
+    with pytest.raises(DistributedRunError, match="connectFullMesh"):
+        run_distributed(_rendezvous_always_fails, world_size=2)
+
+
+def _rendezvous_always_fails(rank: int, world_size: int) -> None:
+    _create_gloo_process_group(Path("."))
+
+
 def _rank_tensor(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {"values": torch.arange(1000, dtype=torch.float32) + rank}
 

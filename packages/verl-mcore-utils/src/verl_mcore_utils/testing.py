@@ -62,6 +62,26 @@ def run_distributed(
     fresh = fresh or sharing_disabled()
     # Pickled here: an argument that cannot be pickled fails in the caller, before any process is touched.
     payload = pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        return _call(payload, world_size=world_size, backend=backend, timeout_s=timeout_s, fresh=fresh)
+    except _RendezvousError as first:
+        # Every failing rank failed while joining the call's process group (gloo's connectFullMesh): the
+        # function never ran there, the workers are discarded. Under a loaded CPU this happens rarely between
+        # warm workers; new workers and a new rendezvous server are a clean start. Once, and said so.
+        _report(f"process-group rendezvous failed; retrying the call once on new workers:\n{first}")
+    try:
+        return _call(payload, world_size=world_size, backend=backend, timeout_s=timeout_s, fresh=fresh)
+    except _RendezvousError as second:
+        _report(str(second))
+        raise DistributedRunError(str(second)) from None
+
+
+class _RendezvousError(DistributedRunError):
+    """Every rank that failed, failed inside ``init_process_group`` (before the function ran)."""
+
+
+def _call(payload: bytes, *, world_size: int, backend: str, timeout_s: float, fresh: bool) -> list[Any]:
+    """One attempt of :func:`run_distributed`."""
     global _calls
     _calls += 1
     # The rendezvous server lives here, on an OS-assigned port, until every rank is done (package README).
@@ -101,6 +121,8 @@ def run_distributed(
             )
         message = "distributed run failed:\n" + "\n".join(lines) + _stderr_tails(pool, log_starts)
         discard(pool)
+        if not died and all(_RENDEZVOUS_FAILURE in tb for tb in failures.values()):
+            raise _RendezvousError(message)
         _report(message)
         raise DistributedRunError(message)
     if fresh:
@@ -126,6 +148,8 @@ def _job(
     )
 
 
+# the frame of a rank's traceback that says it failed joining the process group, before the function ran
+_RENDEZVOUS_FAILURE = "in _create_gloo_process_group"
 _FAILURE_GRACE_S = 5.0  # after one rank's error, how long the others may still report theirs
 _calls = 0  # numbers the calls: a report always names the call it belongs to
 
