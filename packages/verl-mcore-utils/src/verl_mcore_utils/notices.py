@@ -18,7 +18,7 @@ import logging
 import os
 import warnings
 
-__all__ = ["ENV_SHOW_NOTICES", "mute_fallback_notices"]
+__all__ = ["ENV_SHOW_NOTICES", "DropMessagePrefixes", "mute_fallback_notices"]
 
 ENV_SHOW_NOTICES = "VERL_MEGATRON_NOTICES"
 
@@ -36,8 +36,8 @@ _LOG_MESSAGES = {
 _installed = False
 
 
-class _DropPrefixes(logging.Filter):
-    """Drops the records whose message starts with one of ``prefixes``."""
+class DropMessagePrefixes(logging.Filter):
+    """A logging filter that drops the records whose message starts with one of ``prefixes``."""
 
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         super().__init__()
@@ -58,6 +58,6 @@ def mute_fallback_notices() -> bool:
     # invalid escape sequences in megatron-core's docstrings: the warning's "module" is then the file path
     warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[\\/]megatron[\\/]")
     for name, prefixes in _LOG_MESSAGES.items():
-        logging.getLogger(name).addFilter(_DropPrefixes(prefixes))
+        logging.getLogger(name).addFilter(DropMessagePrefixes(prefixes))
     _installed = True
     return True

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import warnings
 
+from verl_mcore_utils.notices import DropMessagePrefixes
+
 __all__ = ["quiet_third_party_notices"]
 
 # Logger name -> message prefixes to drop (all other records of that logger still pass).
@@ -22,15 +24,6 @@ _DROPPED_LOG_MESSAGES = {
     "transformers.configuration_utils": ("`torch_dtype` is deprecated",),
     "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
 }
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
 
 
 def quiet_third_party_notices() -> None:
@@ -44,5 +37,5 @@ def quiet_third_party_notices() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
     for name, prefixes in _DROPPED_LOG_MESSAGES.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(prefixes))
+        if not any(isinstance(f, DropMessagePrefixes) for f in logger.filters):
+            logger.addFilter(DropMessagePrefixes(prefixes))
