@@ -65,7 +65,7 @@ def lint(session: nox.Session) -> None:
 def config(session: nox.Session) -> None:
     """verl-config alone, with no torch in the environment (it must not need it)."""
     _sync(session, "--package", "verl-config", "--no-default-groups")
-    session.install("pytest>=8", "hypothesis>=6")
+    session.install("pytest>=8", "hypothesis>=6", "pip>=24")  # pip: the refresh script's `pip download` test
     session.run(
         "python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     )
