@@ -16,13 +16,20 @@ def fmt(value: float) -> str:
     return "0" if value == 0 else f"{value:.1e}"
 
 
+def cell(worst: dict, layout: str) -> str:
+    """``loss / grad`` of one layout; n/a where the test does not compare it (None: clip_cov and kl_cov select
+    tokens from each micro-batch's statistics, by verl's definition, so only the whole batch matches verl's)."""
+    loss, grad = worst[f"{layout}_loss"], worst[f"{layout}_grad"]
+    return "n/a" if loss is None else f"{fmt(loss)} / {fmt(grad)}"
+
+
 def table(data: dict) -> str:
     rows = [
         "| loss | whole batch: loss / grad | 3 micro-batches: loss / grad | 2 DP ranks: loss / grad | metrics (abs) |",
         "|---|---|---|---|---|",
     ]
     for mode, w in data["losses"].items():
-        cells = [f"{fmt(w[f'{k}_loss'])} / {fmt(w[f'{k}_grad'])}" for k in ("whole", "micro", "dp2")]
+        cells = [cell(w, k) for k in ("whole", "micro", "dp2")]
         rows.append(f"| `{mode}` | " + " | ".join(cells) + f" | {fmt(w['metrics'])} |")
     return "\n".join(rows)
 

@@ -745,7 +745,7 @@ def test_unknown_names_list_the_valid_ones() -> None:
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="token-mean, token-sum, seq-mean-token-sum"):
         agg_loss(loss_mat=x, loss_mask=x.bool(), loss_agg_mode="token-median")
-    with pytest.raises(ValueError, match=r"registered: .*gpg, gspo, sapo.*vanilla"):
+    with pytest.raises(ValueError, match=r"registered: .*gpg, gspo, kl_cov, sapo.*vanilla"):
         get_policy_loss_fn("ppo2")
     batch = make_batch()
     model_output, data = actor_io(

@@ -9,6 +9,11 @@ settings (importance weights, rejection options). Loss and gradient must agree t
 1e-6 (verl casts its clip fractions to float32). ``VERL_LOSS_PARITY_OUT=path`` writes the worst differences as
 JSON (the table of docs/engine.md). The rollout-correction weights and rejection masks are compared with verl's
 ``rollout_corr_helper`` directly too: every rejection option, both importance-weight levels, both threshold forms.
+
+``clip_cov`` and ``kl_cov`` select tokens from the statistics of the micro-batch they are given (verl's definition),
+so only the whole batch is compared with verl's whole batch (torch's default generator seeded alike before each
+call: ``clip_cov`` draws from it); for micro-batches and ranks, ours equals verl's function applied to each part, which
+is what verl's engine does, and differs from the whole batch.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from verl_engine.losses import (
     LOSS_AGG_MODES,
     REJECTION_OPTIONS,
     RolloutCorrection,
+    get_policy_loss_fn,
     importance_weights,
     parse_is_threshold,
     parse_rejection,
@@ -37,6 +43,17 @@ pytestmark = pytest.mark.verl_reference
 
 VERL_VERSION = "0.9.1"
 MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "geo_mean", "dro")
+# losses whose token selection is the micro-batch's (verl's definition): compared as the whole batch only
+COV_MODES = ("clip_cov", "kl_cov")
+# clip_cov: ratio 0.05 draws some of the window (0.2, 5)'s tokens, not all (PPO clips many); kl_cov: the top 20%
+COV_SETTINGS = {
+    "clip_cov_ratio": 0.05,
+    "clip_cov_lb": 0.2,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.2,
+    "ppo_kl_coef": 0.5,
+}
+SEED = 1234  # torch's default generator, seeded before verl's call and before ours
 # bypass_mode's rollout-correction settings (algorithm.rollout_correction): none, then token / sequence weights
 # (TIS and IcePop thresholds) with every rejection option somewhere; batch normalisation only with ppo_clip
 # (refused with reinforce: it would depend on the micro-batching). IcePop ranges keep some weight in every batch:
@@ -77,7 +94,7 @@ CORRECTIONS: tuple[dict[str, Any], ...] = (
 )
 # table row -> (loss_mode, the rollout-correction settings it runs with; None: the loss reads none)
 CASES: dict[str, tuple[str, tuple[dict[str, Any] | None, ...]]] = {
-    **{mode: (mode, (None,)) for mode in MODES},
+    **{mode: (mode, (None,)) for mode in MODES + COV_MODES},
     "bypass_mode ppo_clip": ("bypass_mode", tuple({**c, "loss_type": "ppo_clip"} for c in CORRECTIONS)),
     "bypass_mode reinforce": (
         "bypass_mode",
@@ -89,6 +106,9 @@ CASES: dict[str, tuple[str, tuple[dict[str, Any] | None, ...]]] = {
 RTOL = 1e-12
 DT = torch.float64
 ROWS, WIDTH = 8, 9
+BATCHES = ((0, True), (1, True), (2, False))  # (seed, physical) of each compared batch
+MICRO = (slice(0, 3), slice(3, 5), slice(5, ROWS))  # three micro-batches of one rank
+RANKS = (slice(0, ROWS // 2), slice(ROWS // 2, ROWS))  # two data-parallel ranks
 
 
 def _batch(seed: int, *, physical: bool) -> dict[str, torch.Tensor]:
@@ -149,7 +169,7 @@ def _config(mode: str, agg: str, correction: dict[str, Any] | None = None) -> An
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
         loss_agg_mode=agg,
-        policy_loss=PolicyLossConfig(loss_mode=mode, dro_beta=0.3, **extra),
+        policy_loss=PolicyLossConfig(loss_mode=mode, dro_beta=0.3, **COV_SETTINGS, **extra),
         ppo_micro_batch_size_per_gpu=1,
         rollout_n=1,
     )
@@ -157,26 +177,36 @@ def _config(mode: str, agg: str, correction: dict[str, Any] | None = None) -> An
 
 
 def _verl(
-    batch: dict[str, torch.Tensor], mode: str, agg: str, weights: bool, correction: dict[str, Any] | None
+    batch: dict[str, torch.Tensor],
+    mode: str,
+    agg: str,
+    weights: bool,
+    correction: dict[str, Any] | None,
+    *,
+    rows: slice = slice(None),
+    dp_size: int = 1,
 ) -> tuple[float, torch.Tensor, dict]:
+    """verl's function on the rows ``rows`` as one micro-batch (of one of ``dp_size`` ranks), torch's default
+    generator seeded first; normalised by the whole batch's counts."""
     cfg = _config(mode, agg, correction)
     mask = batch["response_mask"]
     info = {
-        "dp_size": 1,
+        "dp_size": dp_size,
         "batch_num_tokens": int(mask.sum()),
         "global_batch_size": ROWS,
         "loss_scale_factor": None,
     }
     object.__setattr__(cfg, "global_batch_info", info)  # what verl's ppo_loss sets before the call
     lp = batch["log_prob"].clone().requires_grad_(True)
+    torch.manual_seed(SEED)
     loss, metrics = _verl_modules()[0].get_policy_loss_fn(mode)(
-        old_log_prob=batch["old_log_prob"],
-        log_prob=lp,
-        advantages=batch["advantages"],
-        response_mask=mask,
+        old_log_prob=batch["old_log_prob"][rows],
+        log_prob=lp[rows],
+        advantages=batch["advantages"][rows],
+        response_mask=mask[rows],
         loss_agg_mode=agg,
         config=cfg,
-        rollout_is_weights=batch["rollout_is_weights"] if weights else None,
+        rollout_is_weights=batch["rollout_is_weights"][rows] if weights else None,
     )
     (grad,) = torch.autograd.grad(loss, lp)
     return float(loss), grad, metrics
@@ -192,10 +222,12 @@ def _ours(
     *,
     dp_size: int,
 ) -> tuple[float, torch.Tensor, dict]:
-    """Our loss of the rows ``rows`` as one micro-batch of one rank, normalised by the whole batch's counts."""
+    """Our loss of the rows ``rows`` as one micro-batch of one rank, normalised by the whole batch's counts (torch's
+    default generator seeded first, as for :func:`_verl`)."""
     mask = batch["response_mask"]
     info = {"dp_size": dp_size, "batch_num_tokens": int(mask.sum()), "global_batch_size": ROWS}
     lp = batch["log_prob"].clone().requires_grad_(True)
+    torch.manual_seed(SEED)
     loss, metrics = policy_loss(
         loss_mode=mode,
         log_prob=lp[rows],
@@ -219,17 +251,17 @@ def _rel(got: float | torch.Tensor, want: float | torch.Tensor) -> float:
 
 @functools.cache
 def _table() -> dict[str, dict[str, float]]:
-    """Per loss: the worst relative loss / gradient difference of each layout, the worst metric difference."""
+    """Per loss: the worst relative loss / gradient difference of each layout, the worst metric difference
+    (None: a layout that is not compared, the micro-batches and ranks of :data:`COV_MODES`)."""
     table: dict[str, dict[str, float]] = {}
-    micro = (slice(0, 3), slice(3, 5), slice(5, ROWS))
-    ranks = (slice(0, ROWS // 2), slice(ROWS // 2, ROWS))
     for case, (mode, corrections) in CASES.items():
-        worst = dict.fromkeys(
+        whole_only = mode in COV_MODES
+        worst: dict[str, float | None] = dict.fromkeys(
             ("whole_loss", "whole_grad", "micro_loss", "micro_grad", "dp2_loss", "dp2_grad", "metrics"), 0.0
         )
         runs = [
             (seed, physical, agg, weights, correction)
-            for seed, physical in ((0, True), (1, True), (2, False))
+            for seed, physical in BATCHES
             for agg in LOSS_AGG_MODES
             for weights in (False, True)
             for correction in corrections
@@ -239,13 +271,12 @@ def _table() -> dict[str, dict[str, float]]:
             args = (mode, agg, weights, correction)
             ref_loss, ref_grad, ref_metrics = _verl(batch, *args)
             loss, grad, metrics = _ours(batch, slice(None), *args, dp_size=1)
-            parts = [_ours(batch, r, *args, dp_size=1) for r in micro]
-            shards = [_ours(batch, r, *args, dp_size=2) for r in ranks]
-            layouts = {
-                "whole": (loss, grad),
-                "micro": (sum(p[0] for p in parts), sum(p[1] for p in parts)),
-                "dp2": (sum(s[0] for s in shards) / 2, sum(s[1] for s in shards) / 2),
-            }
+            layouts = {"whole": (loss, grad)}
+            if not whole_only:
+                parts = [_ours(batch, r, *args, dp_size=1) for r in MICRO]
+                shards = [_ours(batch, r, *args, dp_size=2) for r in RANKS]
+                layouts["micro"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
+                layouts["dp2"] = (sum(s[0] for s in shards) / 2, sum(s[1] for s in shards) / 2)
             for name, (got_loss, got_grad) in layouts.items():
                 worst[f"{name}_loss"] = max(worst[f"{name}_loss"], _rel(got_loss, ref_loss))
                 worst[f"{name}_grad"] = max(worst[f"{name}_grad"], _rel(got_grad, ref_grad))
@@ -258,6 +289,8 @@ def _table() -> dict[str, dict[str, float]]:
             for key in set(ref_metrics) & set(metrics):
                 diff = abs(float(metrics[key].value) - float(ref_metrics[key]))
                 worst["metrics"] = max(worst["metrics"], diff)
+        if whole_only:
+            worst.update(dict.fromkeys(("micro_loss", "micro_grad", "dp2_loss", "dp2_grad")))
         table[case] = worst
     out = os.environ.get("VERL_LOSS_PARITY_OUT")
     if out:
@@ -277,7 +310,8 @@ def test_the_wheel_is_verl_0_9_1() -> None:
 def test_policy_loss_matches_verl_in_every_layout(case: str) -> None:
     worst = _table()[case]
     for key, value in worst.items():
-        assert value <= (1e-6 if key == "metrics" else RTOL), (case, key, worst)
+        assert value is None or value <= (1e-6 if key == "metrics" else RTOL), (case, key, worst)
+    assert (worst["micro_loss"] is None) == (case in COV_MODES), worst
 
 
 def test_verl_registers_no_policy_loss_we_neither_implement_nor_refuse() -> None:
@@ -287,6 +321,70 @@ def test_verl_registers_no_policy_loss_we_neither_implement_nor_refuse() -> None
     registered = set(_verl_modules()[0].POLICY_LOSS_REGISTRY)
     assert registered <= set(POLICY_LOSSES) | set(NOT_IMPLEMENTED_POLICY_LOSSES), registered
     assert {mode for mode, _ in CASES.values()} == registered & set(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("mode", COV_MODES)
+def test_the_covariance_losses_select_some_tokens_not_all(mode: str) -> None:
+    """In every compared batch clip_cov zeroes some of its window's tokens but not all (the tokens PPO does not
+    clip whose covariance lies in (clip_cov_lb, clip_cov_ub), computed here from the definition), and kl_cov
+    penalises some response tokens but not all: the comparison with verl covers a real selection."""
+    for seed, physical in BATCHES:
+        batch = _batch(seed, physical=physical)
+        log_prob, old, adv, mask = (
+            batch[k] for k in ("log_prob", "old_log_prob", "advantages", "response_mask")
+        )
+        torch.manual_seed(SEED)
+        terms = get_policy_loss_fn(mode)(
+            log_prob=log_prob,
+            old_log_prob=old,
+            advantages=adv,
+            response_mask=mask,
+            config=_config(mode, "token-mean"),
+            rollout_is_weights=None,
+        )
+        ratio = torch.exp(log_prob - old)
+        if mode == "clip_cov":
+            ppo_clipped = -adv * torch.clamp(ratio, 0.8, 1.28) > -adv * ratio
+            cov = (adv - adv[mask].mean()) * (log_prob - log_prob[mask].mean())
+            lower, upper = COV_SETTINGS["clip_cov_lb"], COV_SETTINGS["clip_cov_ub"]
+            window = mask & ~ppo_clipped & (cov > lower) & (cov < upper)
+            chosen = terms.clipped
+            assert chosen is not None and not (chosen & ~window).any(), seed
+            assert 0 < int(chosen.sum()) < int(window.sum()), (seed, int(chosen.sum()), int(window.sum()))
+        else:
+            chosen = mask & (terms.losses != -adv * ratio)
+            assert 0 < int(chosen.sum()) < int(mask.sum()), (seed, int(chosen.sum()), int(mask.sum()))
+
+
+@pytest.mark.parametrize("mode", COV_MODES)
+def test_the_covariance_losses_are_verls_function_per_micro_batch(mode: str) -> None:
+    """clip_cov and kl_cov select tokens from the statistics of the micro-batch they are given (verl's definition):
+    a step depends on how the batch is cut into micro-batches and data-parallel ranks, and clip_cov draws from
+    each rank's generator. Ours on each micro-batch (three of one rank; two ranks) equals verl's function on that
+    micro-batch, which is what verl's engine runs, with the generator in the same state; the sum differs from the
+    whole batch's loss in some case."""
+    differs = False
+    for seed, physical in BATCHES:
+        batch = _batch(seed, physical=physical)
+        for agg in LOSS_AGG_MODES:
+            for weights in (False, True):
+                args = (mode, agg, weights, None)
+                whole = _verl(batch, *args)[0]
+                for layout, dp_size in ((MICRO, 1), (RANKS, 2)):
+                    total = 0.0
+                    for rows in layout:
+                        loss, grad, metrics = _ours(batch, rows, *args, dp_size=dp_size)
+                        ref_loss, ref_grad, ref_metrics = _verl(batch, *args, rows=rows, dp_size=dp_size)
+                        assert _rel(loss, ref_loss) <= RTOL and _rel(grad, ref_grad) <= RTOL, (
+                            seed,
+                            agg,
+                            rows,
+                        )
+                        for key, value in ref_metrics.items():
+                            assert abs(float(metrics[key].value) - value) <= 1e-6, (seed, agg, rows, key)
+                        total += loss / dp_size
+                    differs = differs or _rel(total, whole) > 1e-6
+    assert differs, mode
 
 
 def _log_ratios() -> list[tuple[torch.Tensor, torch.Tensor]]:

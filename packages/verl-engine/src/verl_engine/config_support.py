@@ -52,12 +52,6 @@ _TRAINS = (ACTOR, CRITIC)
 _MODELS = (MODEL, CRITIC_MODEL)
 
 
-def _policy_loss_supported(value: Any, cfg: Any, section: str) -> bool:
-    from verl_engine.losses import POLICY_LOSSES
-
-    return value in POLICY_LOSSES
-
-
 def _torch_fused_kernels(value: Any, cfg: Any, section: str) -> bool:
     return (value or {}).get("impl_backend", "torch") == "torch"
 
@@ -94,6 +88,11 @@ _CRITIC = "tests/test_rl_engine_cpu.py::test_critic_values_are_the_backbone_thro
 _LOGPROBS = "tests/test_rl_engine_cpu.py::test_log_probs_and_entropy_match_transformers_on_one_rank"
 _LOSS_PARITY = (
     "packages/verl-engine/tests/test_verl_loss_parity.py::test_policy_loss_matches_verl_in_every_layout"
+)
+_COV_SELECTION = "packages/verl-engine/tests/test_verl_loss_parity.py::test_the_covariance_losses_select_some_tokens_not_all"
+_COV_MICRO = "packages/verl-engine/tests/test_verl_loss_parity.py::test_the_covariance_losses_are_verls_function_per_micro_batch"
+_UNREGISTERED_LOSS = (
+    "packages/verl-engine/tests/test_refusals.py::test_a_policy_loss_the_engine_lacks_is_refused_at_build"
 )
 _PPO_LOSS = "packages/verl-engine/tests/test_losses.py::test_ppo_loss_matches_reference"
 _PPO_LOSS_CFG = "packages/verl-engine/tests/test_losses.py::test_ppo_loss_with_verl_config_and_tensordict"
@@ -169,15 +168,14 @@ RULES: tuple[Rule, ...] = (
                "kl_loss_type", "policy_loss.dro_beta"),
          sections=(ACTOR,), kind=_H, evidence=(_LOSS_PARITY, _PPO_LOSS, _PPO_LOSS_CFG, _PPO_STEP),
          reason="read by verl_engine.losses.ppo_loss (the actor section is its config)"),
-    Rule(keys=("policy_loss.loss_mode",), sections=(ACTOR,), kind=_R, allowed=_policy_loss_supported,
-         supported="a registered policy loss (verl_engine.losses.POLICY_LOSSES)",
-         reason="verl's clip_cov and kl_cov depend on the micro-batching (bypass_mode is selected by"
-         " algorithm.rollout_correction.bypass_mode=true, as in verl)", evidence=(_LOSS_PARITY,),
-         example=("policy_loss.loss_mode=clip_cov",)),
+    Rule(keys=("policy_loss.loss_mode",), sections=(ACTOR,), kind=_H,
+         evidence=(_LOSS_PARITY, _COV_SELECTION, _COV_MICRO, _UNREGISTERED_LOSS),
+         reason="every policy loss of verl 0.9.1 is registered (verl_engine.losses.POLICY_LOSSES); a name nobody"
+         " registered is refused at build (verl_engine.refusals); bypass_mode is selected by"
+         " algorithm.rollout_correction.bypass_mode=true, as in verl"),
     Rule(keys=("policy_loss.clip_cov_*", "policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
-         sections=(ACTOR,), kind=_R,
-         reason="read only by the clip_cov / kl_cov policy losses, which verl-engine does not implement;"
-         " leave them at verl's defaults", example=("policy_loss.clip_cov_ratio=0.5",)),
+         sections=(ACTOR,), kind=_H, evidence=(_LOSS_PARITY, _COV_SELECTION, _COV_MICRO),
+         reason="read by the clip_cov / kl_cov policy losses (verl_engine.losses.policy)"),
     Rule(keys=("cliprange_value", "loss_agg_mode", "loss_scale_factor"), sections=(CRITIC,), kind=_H,
          evidence=("packages/verl-engine/tests/test_losses.py::test_value_loss_matches_reference",),
          reason="read by verl_engine.losses.value_loss (the critic section is its config)"),

@@ -13,33 +13,27 @@ from verl_engine.loss_binding import loss_config
 
 __all__ = ["NOT_IMPLEMENTED_POLICY_LOSSES", "check_supported"]
 
-# verl 0.9.1's registered policy losses that verl-engine does not implement, and why
-NOT_IMPLEMENTED_POLICY_LOSSES = {
-    "clip_cov": "it picks the tokens to clip at random from each micro-batch's covariance statistics, so a step would"
-    " depend on the micro-batching and every rank would have to draw the same tokens",
-    "kl_cov": "it penalises the top tokens of each micro-batch's covariance statistics, so a step would depend on the"
-    " micro-batching",
-}
+# verl 0.9.1's registered policy losses that verl-engine does not implement, and why (none: every one is)
+NOT_IMPLEMENTED_POLICY_LOSSES: dict[str, str] = {}
 
 
 def check_supported(cfg: Any, *, role: str) -> None:
     """Raise ValueError naming every setting of ``role``'s sections that is valid verl but not implemented here.
 
     The refused keys and what is supported instead: :data:`verl_engine.config_support.RULES`; for the actor, also
-    the loss as verl's trainer configures it (:func:`~verl_engine.loss_binding.loss_config`: ``bypass_mode``
-    with ``algorithm.rollout_correction``).
+    the loss as verl's trainer configures it (:func:`~verl_engine.loss_binding.loss_config`): a ``loss_mode`` that
+    nobody registered, and ``bypass_mode`` with ``algorithm.rollout_correction``.
     """
     from verl_engine.config_support import refusal_problems
     from verl_engine.losses import POLICY_LOSSES, bypass_mode_policy_loss
 
-    problems = refusal_problems(cfg, role=role, describe={_LOSS_MODE: _policy_loss})
+    problems = refusal_problems(cfg, role=role)
     if role == "actor":
-        actor = loss_config(cfg, role="actor")
-        if (
-            actor.policy_loss.loss_mode == "bypass_mode"
-            and POLICY_LOSSES.get("bypass_mode") is bypass_mode_policy_loss
-        ):
-            problems += _bypass_mode(actor.policy_loss)
+        policy = loss_config(cfg, role="actor").policy_loss
+        if policy.loss_mode not in POLICY_LOSSES:
+            problems.insert(0, f"{_LOSS_MODE}={policy.loss_mode!r} {_policy_loss(policy.loss_mode)}")
+        elif policy.loss_mode == "bypass_mode" and POLICY_LOSSES["bypass_mode"] is bypass_mode_policy_loss:
+            problems += _bypass_mode(policy)
     if problems:
         raise ValueError(f"verl-engine cannot build the {role}: " + "; ".join(problems))
 
