@@ -10,6 +10,7 @@ sampling between the rollout's and the trainer's log-probs, verl's ``algorithm.r
 """
 
 from verl_engine.losses.agg import LOSS_AGG_MODES, agg_loss
+from verl_engine.losses.covariance import clip_cov_policy_loss, kl_cov_policy_loss
 from verl_engine.losses.kl import KL_PENALTIES, kl_penalty, kl_reward_penalty
 from verl_engine.losses.policy import (
     POLICY_LOSSES,
@@ -17,7 +18,6 @@ from verl_engine.losses.policy import (
     PolicyTerms,
     bypass_mode_policy_loss,
     cispo_policy_loss,
-    clip_cov_policy_loss,
     dppo_kl_policy_loss,
     dppo_tv_policy_loss,
     dro_policy_loss,
@@ -25,7 +25,6 @@ from verl_engine.losses.policy import (
     get_policy_loss_fn,
     gpg_policy_loss,
     gspo_policy_loss,
-    kl_cov_policy_loss,
     policy_loss,
     register_policy_loss,
     sapo_policy_loss,
