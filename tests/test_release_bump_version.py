@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -28,6 +29,15 @@ def tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _config_versions(root: Path) -> tuple[str, str, str, str, str]:
+    """verl-config's current version, its compatible bump, the range upper bound, a breaking bump and that
+    one's upper bound (the tests follow the checked-in version instead of naming one)."""
+    current = Version(read_packages(root)["verl-config"].version)
+    minor = current.minor
+    compatible = current.base_version if current.is_prerelease else f"0.{minor}.{current.micro + 1}"
+    return str(current), compatible, f"0.{minor + 1}", f"0.{minor + 1}.0", f"0.{minor + 2}"
+
+
 def _project(root: Path, name: str) -> dict:
     return tomllib.loads((root / "packages" / name / "pyproject.toml").read_text())["project"]
 
@@ -43,11 +53,12 @@ def test_the_checked_in_ranges_agree(tree: Path) -> None:
 
 def test_compatible_bump_moves_the_version_and_every_dependants_range(tree: Path) -> None:
     before = _files(tree)
-    changed = bump_version.bump(tree, package="verl-config", version="0.1.0")
+    _, compatible, upper, _, _ = _config_versions(tree)
+    changed = bump_version.bump(tree, package="verl-config", version=compatible)
     assert sorted(p.parent.name for p in changed) == ["verl-config", "verl-engine", "verl-mcore-utils"]
-    assert _project(tree, "verl-config")["version"] == "0.1.0"
-    assert "verl-config>=0.1.0,<0.2" in _project(tree, "verl-mcore-utils")["dependencies"]
-    assert "verl-config>=0.1.0,<0.2" in _project(tree, "verl-engine")["dependencies"]
+    assert _project(tree, "verl-config")["version"] == compatible
+    assert f"verl-config>={compatible},<{upper}" in _project(tree, "verl-mcore-utils")["dependencies"]
+    assert f"verl-config>={compatible},<{upper}" in _project(tree, "verl-engine")["dependencies"]
     after = _files(tree)
     # only the changed lines differ; the packages that do not depend on verl-config are untouched
     assert after["verl-dyncp"] == before["verl-dyncp"] and after["verl-mfsdp"] == before["verl-mfsdp"]
@@ -68,12 +79,13 @@ def test_bump_rewrites_ranges_with_extras_in_optional_dependencies(tree: Path) -
 
 def test_leaving_the_compatible_range_needs_breaking(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = _files(tree)
-    assert bump_version.main(["--root", str(tree), "--package", "verl-config", "--version", "0.2.0"]) == 1
+    current, _, upper, breaking, breaking_upper = _config_versions(tree)
+    assert bump_version.main(["--root", str(tree), "--package", "verl-config", "--version", breaking]) == 1
     err = capsys.readouterr().err
-    assert "'>=0.1.0.dev0,<0.2'" in err and "verl-engine, verl-mcore-utils" in err and "--breaking" in err
+    assert f"'>={current},<{upper}'" in err and "verl-engine, verl-mcore-utils" in err and "--breaking" in err
     assert _files(tree) == before  # nothing written
-    bump_version.bump(tree, package="verl-config", version="0.2.0", breaking=True)
-    assert "verl-config>=0.2.0,<0.3" in _project(tree, "verl-mcore-utils")["dependencies"]
+    bump_version.bump(tree, package="verl-config", version=breaking, breaking=True)
+    assert f"verl-config>={breaking},<{breaking_upper}" in _project(tree, "verl-mcore-utils")["dependencies"]
     assert bump_version.check(tree) == []
 
 
@@ -105,7 +117,7 @@ def test_check_names_a_hand_edited_range_and_the_fix(tree: Path, capsys: pytest.
     assert "packages/verl-dyncp/pyproject.toml [project.dependencies] 'verl-mcore-utils>=0.1.0.dev0'" in err
     assert "must be '>=0.1.0.dev0,<0.2'" in err and "--package verl-mcore-utils" in err
     with pytest.raises(bump_version.BumpError, match="disagree before the bump"):
-        bump_version.bump(tree, package="verl-config", version="0.1.0")
+        bump_version.bump(tree, package="verl-config", version=_config_versions(tree)[1])
 
 
 def test_compatible_upper_bound() -> None:
