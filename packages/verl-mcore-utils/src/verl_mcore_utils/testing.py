@@ -172,8 +172,6 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
 
     After a failure the other ranks may be blocked in a collective for ever: the caller discards them.
     """
-    by_conn = {w.conn: rank for rank, w in enumerate(workers)}
-    by_sentinel = {w.process.sentinel: rank for rank, w in enumerate(workers)}
     pending, failures = replies.pending, replies.failures
     deadline = time.monotonic() + timeout_s
     while pending and not failures:
@@ -182,17 +180,7 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
             raise DistributedRunError(
                 f"timed out after {timeout_s:.0f}s: ranks {sorted(pending)} did not finish"
             )
-        handles = [workers[r].conn for r in pending] + [workers[r].process.sentinel for r in pending]
-        for ready in wait(handles, timeout=min(remaining, 1.0)):
-            rank = by_conn.get(ready) if isinstance(ready, Connection) else None
-            if rank is not None and rank in pending:
-                _read(workers[rank].conn, rank, replies)
-            elif ready in by_sentinel:  # the process exited: a report it sent first still counts
-                rank = by_sentinel[ready]
-                if rank in pending and workers[rank].conn.poll():
-                    _read(workers[rank].conn, rank, replies)
-        for rank in sorted(pending):
-            _note_death(workers[rank], rank, replies)
+        _poll(workers, replies, timeout=min(remaining, 1.0))
         if replies.died and not failures:
             dead = sorted(replies.died)
             raise DistributedRunError(f"rank(s) {dead} exited with codes {[replies.died[r] for r in dead]}")
@@ -202,13 +190,21 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
         # collective will not, and is killed with the pool.
         grace = time.monotonic() + _FAILURE_GRACE_S
         while pending and time.monotonic() < grace:
-            handles = [workers[r].conn for r in pending] + [workers[r].process.sentinel for r in pending]
-            for ready in wait(handles, timeout=max(0.0, min(grace - time.monotonic(), 0.5))):
-                rank = by_conn.get(ready) if isinstance(ready, Connection) else None
-                if rank is not None and rank in pending:
-                    _read(workers[rank].conn, rank, replies)
-            for rank in sorted(pending):
-                _note_death(workers[rank], rank, replies)
+            _poll(workers, replies, timeout=max(0.0, min(grace - time.monotonic(), 0.5)))
+
+
+def _poll(workers: list[Any], replies: _Replies, *, timeout: float) -> None:
+    """Wait up to ``timeout`` for a pending rank to report or exit; read what came, note the deaths."""
+    pending = replies.pending
+    by_conn = {workers[r].conn: r for r in pending}
+    by_sentinel = {workers[r].process.sentinel: r for r in pending}
+    for ready in wait([*by_conn, *by_sentinel], timeout=timeout):
+        rank = by_conn.get(ready) if isinstance(ready, Connection) else by_sentinel.get(ready)
+        # a process that exited may have sent its report first: that still counts
+        if rank is not None and rank in pending and (ready in by_conn or workers[rank].conn.poll()):
+            _read(workers[rank].conn, rank, replies)
+    for rank in sorted(pending):
+        _note_death(workers[rank], rank, replies)
 
 
 def _note_death(worker: Any, rank: int, replies: _Replies) -> None:
