@@ -15,7 +15,24 @@ import torch
 SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
 }
+PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
+
+
+def flops_per_sequence(shape: str, length: int) -> float:
+    """Megatron-LM's model FLOPs of one training pass (forward + backward) over one sequence.
+
+    Per token and layer, forward: QKV ``2 h (h + 2 kv_dim)``, attention output ``2 h^2``, SwiGLU MLP
+    ``2 * 3 h f``, attention scores and values ``2 * 2 s h`` (full s, as Megatron-LM counts); plus the LM
+    head ``2 h V``. Training = 3 x forward.
+    """
+    hidden, inter, layers, heads, kv, vocab, _ = SHAPES[shape]
+    kv_dim = kv * hidden // heads
+    per_layer = 2 * hidden * (hidden + 2 * kv_dim) + 2 * hidden * hidden + 6 * hidden * inter
+    per_layer += 4 * length * hidden
+    forward = length * (layers * per_layer + 2 * hidden * vocab)
+    return 3.0 * forward
 
 
 def hf_config(shape: str, *, seq: int) -> dict:

@@ -124,3 +124,33 @@ def _jsonable(value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+TARGETS = RESULTS / "targets.json"
+
+
+def update_target(
+    key: str, value: float, *, goal: str, source: str | Path, record: dict[str, Any], targets: Path = TARGETS
+) -> dict[str, Any]:
+    """Set one measured target of the GPU issue in ``benchmarks/results/targets.json`` (never edited by hand).
+
+    ``source`` is the result JSON the number came from (stored relative to the repository), ``record`` that
+    JSON's own record (its device and commit are copied, so each key says where and at which code it was
+    measured), ``goal`` the bar it is held to in words. Other keys of the file are kept.
+    """
+    current = json.loads(targets.read_text()) if targets.exists() else {}
+    path = Path(source).resolve()
+    try:
+        shown = str(path.relative_to(RESULTS.parent.parent))
+    except ValueError:
+        shown = str(source)
+    current[key] = {
+        "value": value,
+        "goal": goal,
+        "gpu": record.get("device"),
+        "commit": record.get("commit"),
+        "source": shown,
+        "date": record.get("date"),
+    }
+    save_json(targets, dict(sorted(current.items())))
+    return current[key]

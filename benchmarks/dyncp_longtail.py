@@ -30,14 +30,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from _record import write_record
+from _record import update_target, write_record
 
 LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192")
 
@@ -108,7 +111,8 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             *layout_overrides(name, args),
         ],
     )
-    hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768)
+    layers = {"num_hidden_layers": args.layers} if args.layers else {}
+    hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768, **layers)
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     gc.collect()
@@ -164,6 +168,102 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     return result
 
 
+def lengths_summary(args: argparse.Namespace, steps_lens: list[list[int]]) -> dict[str, Any]:
+    all_lens = [n for lens in steps_lens for n in lens]
+    return {
+        "distribution": f"lognormal(median={args.median:.1f}, sigma={args.sigma}) clipped to [{args.min_len}, {args.max_len}]",
+        "count": len(all_lens),
+        "min": min(all_lens),
+        "mean": float(np.mean(all_lens)),
+        "p50": int(np.median(all_lens)),
+        "p90": int(np.percentile(all_lens, 90)),
+        "max": max(all_lens),
+        "per_step_max": [max(lens) for lens in steps_lens],
+        "per_step_count": [len(lens) for lens in steps_lens],
+    }
+
+
+def ideal_bound(
+    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float]
+) -> dict[str, Any] | None:
+    """The ideal-balance bound from a one-GPU run of the same batches (``--ideal-from``).
+
+    One GPU runs each micro-batch whole (its budget is this run's pool budget, so the micro-batches are the
+    same), at CP 1, with no communication; perfect balance over this run's ranks would take 1 / ranks of that
+    time. Its tokens/s x ranks over static CP 4's is the most any plan of the same micro-batches can gain
+    (an optimistic bound: kernels on a quarter of the tokens are no faster per token).
+    """
+    if args.ideal_from is None:
+        return None
+    one = json.loads(args.ideal_from.read_text())
+    if one["gpus"] != 1 or one["config"]["lengths"]["per_step_count"] != lengths["per_step_count"]:
+        raise SystemExit(f"--ideal-from {args.ideal_from} is not a one-GPU run of these batches")
+    if one["config"]["tokens_per_rank"] != args.tokens_per_rank * dist.get_world_size():
+        raise SystemExit(f"--ideal-from {args.ideal_from} cut other micro-batches (tokens_per_rank)")
+    one_tps = statistics.median(one["repeats"]["none"])
+    ideal = one_tps * dist.get_world_size()
+    return {
+        "source": str(args.ideal_from),
+        "one_gpu_tokens_per_s": one_tps,
+        "ideal_tokens_per_s": ideal,
+        "ideal_bound_speedup_vs_static4": ideal / medians["static4"] if "static4" in medians else None,
+    }
+
+
+def write_results(
+    args: argparse.Namespace,
+    steps_lens: list[list[int]],
+    results: dict[str, Any],
+    repeats: dict[str, list[float]],
+) -> None:
+    lengths = lengths_summary(args, steps_lens)
+    medians = {k: statistics.median(v) for k, v in repeats.items()}
+    base = medians.get("static4")
+    bound = ideal_bound(args, lengths, medians)
+    record = write_record(
+        args.out,
+        benchmark="dyncp_longtail",
+        device=None if args.device == "cuda" else "cpu (smoke run)",
+        extra_versions=("transformer_engine",),  # the ``+te`` layouts need it
+        config={
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
+            "lengths": lengths,
+        },
+        numbers={
+            "gpus": dist.get_world_size(),
+            # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+            "results": results,
+            "repeats": repeats,
+            "speedup_vs_static4": {
+                k: v["tokens_per_s"] / results["static4"]["tokens_per_s"]
+                for k, v in results.items()
+                if "tokens_per_s" in results.get("static4", {}) and "tokens_per_s" in v
+            },
+            "speedup_vs_static4_median": {k: v / base for k, v in medians.items()} if base else {},
+            "ideal_bound": bound,
+        },
+    )
+    print(json.dumps(record["speedup_vs_static4_median"]), json.dumps(bound), flush=True)
+    if args.targets:
+        if not base or "dynamic" not in medians or bound is None:
+            raise SystemExit("--targets needs the static4 and dynamic layouts and --ideal-from")
+        update_target(
+            "dyncp_megatron_workload_speedup",
+            medians["dynamic"] / base,
+            goal=">= 1.3x over static CP 4 and within 10% of the ideal bound (95% of it if the bound < 1.3x)",
+            source=args.out,
+            record=record,
+        )
+        update_target(
+            "dyncp_ideal_bound_speedup",
+            bound["ideal_bound_speedup_vs_static4"],
+            goal="measured bound (one GPU x ranks, no communication, perfect balance) over static CP 4",
+            source=args.out,
+            record=record,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -181,7 +281,19 @@ def main() -> None:
         default=16384,
         help="max_seqlen_per_dp_cp_rank of dynamic CP (default: the budget)",
     )
+    parser.add_argument("--layers", type=int, default=None, help="replace the preset's number of layers")
     parser.add_argument("--median", type=float, default=2048.0)
+    parser.add_argument(
+        "--mean", type=float, default=None, help="set the lognormal's mean instead of its median"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="run the layouts this many times, in turn")
+    parser.add_argument(
+        "--ideal-from",
+        type=Path,
+        default=None,
+        help="the one-GPU no-CP record of the same batches (micro-batch budget = this run's pool budget)",
+    )
+    parser.add_argument("--targets", action="store_true", help="store the speedups in results/targets.json")
     parser.add_argument("--sigma", type=float, default=1.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-len", type=int, default=256, help="lengths are clipped to [min, max]")
@@ -191,6 +303,8 @@ def main() -> None:
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (debug backend)"
     )
     args = parser.parse_args()
+    if args.mean is not None:  # a lognormal's mean is exp(mu + sigma^2 / 2), its median exp(mu)
+        args.median = args.mean / math.exp(args.sigma**2 / 2)
 
     from verl_mcore_utils.parallel import destroy_parallel, init_parallel
 
@@ -204,47 +318,23 @@ def main() -> None:
         min_len=args.min_len,
         max_len=args.max_len,
     )
-    all_lens = [n for lens in steps_lens for n in lens]
-    results = {}
-    for name in args.layouts.split(","):
-        try:
-            results[name] = run_layout(name, args, steps_lens, dims)
-        except torch.OutOfMemoryError as err:  # "no CP where it fits": record, do not hide
-            results[name] = {"layout": name, "error": f"out of memory: {str(err).splitlines()[0]}"}
-            gc.collect()
-            torch.cuda.empty_cache()
-        if dist.get_rank() == 0:
-            print(name, json.dumps({k: v for k, v in results[name].items() if k != "losses"}), flush=True)
+    results: dict[str, Any] = {}
+    repeats: dict[str, list[float]] = {}
+    for turn in range(args.repeats):  # A/B/A/B...: drift of the lease hits every layout alike
+        for name in args.layouts.split(","):
+            try:
+                run = run_layout(name, args, steps_lens, dims)
+            except torch.OutOfMemoryError as err:  # "no CP where it fits": record, do not hide
+                run = {"layout": name, "error": f"out of memory: {str(err).splitlines()[0]}"}
+                gc.collect()
+                torch.cuda.empty_cache()
+            results.setdefault(name, run)
+            if "tokens_per_s" in run:
+                repeats.setdefault(name, []).append(run["tokens_per_s"])
+            if dist.get_rank() == 0:
+                print(turn, name, json.dumps({k: v for k, v in run.items() if k != "losses"}), flush=True)
     if dist.get_rank() == 0:
-        base = results.get("static4", {}).get("tokens_per_s")
-        record = write_record(
-            args.out,
-            benchmark="dyncp_longtail",
-            device=None if args.device == "cuda" else "cpu (smoke run)",
-            extra_versions=("transformer_engine",),  # the ``+te`` layouts need it
-            config={
-                **{k: v for k, v in vars(args).items() if k != "out"},
-                "lengths": {
-                    "distribution": f"lognormal(median={args.median}, sigma={args.sigma}) clipped to [{args.min_len}, {args.max_len}]",
-                    "count": len(all_lens),
-                    "min": min(all_lens),
-                    "p50": int(np.median(all_lens)),
-                    "p90": int(np.percentile(all_lens, 90)),
-                    "max": max(all_lens),
-                    "per_step_max": [max(lens) for lens in steps_lens],
-                },
-            },
-            numbers={
-                "gpus": dist.get_world_size(),
-                # Transport settings change what CP communication costs (NCCL_P2P_DISABLE: no NVLink).
-                "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
-                "results": results,
-                "speedup_vs_static4": {
-                    k: v["tokens_per_s"] / base for k, v in results.items() if base and "tokens_per_s" in v
-                },
-            },
-        )
-        print(json.dumps(record["speedup_vs_static4"]), flush=True)
+        write_results(args, steps_lens, results, repeats)
     destroy_parallel()
     os._exit(0)
 

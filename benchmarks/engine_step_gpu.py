@@ -34,25 +34,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _common import SHAPES, build, lengths_for, make_batch, synced, train_step
+from _common import (
+    PEAK_BF16_TFLOPS,
+    SHAPES,
+    build,
+    flops_per_sequence,
+    lengths_for,
+    make_batch,
+    synced,
+    train_step,
+)
 from _record import write_record
-
-PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
-
-
-def flops_per_sequence(shape: str, length: int) -> float:
-    """Megatron-LM's model FLOPs of one training pass (forward + backward) over one sequence.
-
-    Per token and layer, forward: QKV ``2 h (h + 2 kv_dim)``, attention output ``2 h^2``, SwiGLU MLP
-    ``2 * 3 h f``, attention scores and values ``2 * 2 s h`` (full s, as Megatron-LM counts); plus the LM
-    head ``2 h V``. Training = 3 x forward.
-    """
-    hidden, inter, layers, heads, kv, vocab, _ = SHAPES[shape]
-    kv_dim = kv * hidden // heads
-    per_layer = 2 * hidden * (hidden + 2 * kv_dim) + 2 * hidden * hidden + 6 * hidden * inter
-    per_layer += 4 * length * hidden
-    forward = length * (layers * per_layer + 2 * hidden * vocab)
-    return 3.0 * forward
 
 
 def matmul_ceiling_tflops() -> float:

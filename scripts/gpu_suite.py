@@ -94,7 +94,12 @@ CHUNKS: tuple[Chunk, ...] = (
         130,
     ),
     Chunk("lifecycle2", 2, ("tests/test_gpu_mfsdp_lifecycle.py",), 130),
-    Chunk("engine2", 2, ("tests/test_gpu_engine.py", "tests/test_gpu_engine_packed.py"), 150),
+    Chunk(
+        "engine2",
+        2,
+        ("tests/test_gpu_engine.py", "tests/test_gpu_engine_packed.py", "tests/test_gpu_pipeline.py"),
+        190,
+    ),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",
@@ -107,6 +112,7 @@ CHUNKS: tuple[Chunk, ...] = (
         200,
     ),
     Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 210),
+    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py",), 150),
 )
 _GPU_MARK = re.compile(r"pytest\.mark\.(gpu|num_gpus)\b")
 

@@ -296,9 +296,11 @@ def mtp_step_layouts(
     layouts: list[list[str]],
     batch: dict[str, Any],
     reference_layers: int = 0,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Per layout: one forward_backward_batch with the PPO loss (MTP on when the layout says so); the loss,
-    metrics and every parameter's gradient by (TP 1, PP 1) name; the plain per-depth reference if asked."""
+    metrics and every parameter's gradient by (TP 1, PP 1) name (on the CPU, fp32); the plain per-depth
+    reference if asked."""
     from functools import partial
 
     from verl_engine.losses import ppo_loss
@@ -306,7 +308,7 @@ def mtp_step_layouts(
 
     out = []
     for overrides in layouts:
-        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        engine, cfg = _engine(overrides, "actor", model_dir, device)
         reference = mtp_reference(engine, batch, num_layers=reference_layers) if reference_layers else None
         with engine.train_mode():
             engine.optimizer_zero_grad()
@@ -314,10 +316,10 @@ def mtp_step_layouts(
                 {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
             )
             grads = {
-                _global_name(gpt, n): p.grad.detach().float().clone()
+                _global_name(gpt, n): engine.backend.gradient(p).detach().float().cpu().clone()
                 for gpt in map(unwrap_model, engine.chunks)
                 for n, p in gpt.named_parameters()
-                if p.grad is not None
+                if engine.backend.gradient(p) is not None
             }
         out.append(
             {"loss": result["loss"], "metrics": result["metrics"], "grads": grads, "reference": reference}
