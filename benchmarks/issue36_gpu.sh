@@ -12,8 +12,12 @@ TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
 cd "$(dirname "$0")"
 RUN=(python3 -m torch.distributed.run --standalone)
 S=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1)
-new=()
-go() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -3; new+=("results/$name.json"); }
+mkdir -p "$OUT/results"
+go() {  # one run under a time limit; its record (and targets.json) copied to OUT at once
+  local limit=$1 name=$2; shift 2; echo "== $name $(date +%T)"
+  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -3
+  cp "results/$name.json" results/targets.json "$OUT/results/" 2>/dev/null
+}
 go 100 scaling_1.5b_dp1_$TAG "${RUN[@]}" --nproc-per-node 1 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \
   --out results/scaling_1.5b_dp1_$TAG.json
 go 100 scaling_1.5b_dp2_$TAG "${RUN[@]}" --nproc-per-node 2 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \
@@ -29,6 +33,4 @@ go 80 dyncp_megatron_workload_1gpu_$TAG "${RUN[@]}" --nproc-per-node 1 dyncp_lon
 go 200 dyncp_megatron_workload_$TAG "${RUN[@]}" --nproc-per-node 4 dyncp_longtail.py "${D[@]}" \
   --tokens-per-rank 2048 --max-seqlen 2048 --layouts static4,dynamic --repeats 3 --targets \
   --ideal-from results/dyncp_megatron_workload_1gpu_$TAG.json --out results/dyncp_megatron_workload_$TAG.json
-mkdir -p "$OUT/results"
-cp "${new[@]}" results/targets.json "$OUT/results/" 2>/dev/null
 ls -l "$OUT/results"
