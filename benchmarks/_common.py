@@ -206,3 +206,43 @@ def rl_batch(*, n: int, prompt: int, response: int, vocab: int, seed: int) -> di
         "values": torch.zeros((n, response)),
         "returns": torch.randn((n, response), generator=g),
     }
+
+
+class StepProfile:
+    """Where one step's time goes, when ``BENCH_PROFILE_DIR`` is set: torch.profiler over the calls wrapped
+    in ``with profile(label):``, written as two tables per rank (CUDA time and host time per operator, top 40)
+    to ``<dir>/<label>_rank<r>.txt``; without the variable it does nothing (no profiler overhead)."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.folder = os.environ.get("BENCH_PROFILE_DIR")
+
+    def __call__(self, label: str):
+        import contextlib
+
+        if not self.folder:
+            return contextlib.nullcontext()
+        return self._profiled(label)
+
+    def _profiled(self, label: str):
+        import contextlib
+
+        import torch.distributed as dist
+        from torch.profiler import ProfilerActivity, profile
+
+        @contextlib.contextmanager
+        def run():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                yield
+            torch.cuda.synchronize()
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            table = prof.key_averages()
+            path = Path(self.folder) / f"{label}_rank{rank}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(
+                f"== {label}: by CUDA time\n{table.table(sort_by='cuda_time_total', row_limit=40)}\n"
+                f"== {label}: by host time\n{table.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
+            )
+
+        return run()

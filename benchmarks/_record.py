@@ -62,8 +62,11 @@ def device_name() -> str:
 def commit() -> str | None:
     """The checkout's commit (``+dirty`` with uncommitted changes); ``BENCH_COMMIT`` where there is no git.
 
-    GPU runs happen on a copy of the working tree without ``.git``: the launcher passes the commit in.
+    GPU runs happen on a copy of the working tree (without ``.git``, or with a stale one): the launcher passes
+    the commit in.
     """
+    if os.environ.get("BENCH_COMMIT"):  # the launcher's word wins: a copied tree's .git may be stale
+        return os.environ["BENCH_COMMIT"]
     root = Path(__file__).resolve().parent
 
     def git(*args: str) -> str | None:

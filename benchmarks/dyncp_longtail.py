@@ -28,6 +28,7 @@ other, each with a freshly built engine (same seed: same initial weights), so th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _common import StepProfile
 from _record import update_target, write_record
 
 LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192")
@@ -129,6 +131,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         total_training_steps=len(steps_lens),
     )
     step_times, losses, plans = [], [], []
+    profile = StepProfile()
     real_tokens = []
     for step, lens in enumerate(steps_lens):
         batch = step_data(lens, vocab=args.vocab, seed=1000 + step)
@@ -138,7 +141,11 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             torch.cuda.synchronize(device)
         dist.barrier()
         start = time.perf_counter()
-        with engine.train_mode():
+        last = step == len(steps_lens) - 1
+        with (
+            engine.train_mode(),
+            profile(f"{Path(args.out).stem}_{name}") if last else contextlib.nullcontext(),
+        ):
             out = engine.train_batch(batch, sft_loss)
         if cuda:
             torch.cuda.synchronize(device)

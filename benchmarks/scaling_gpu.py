@@ -26,6 +26,7 @@ tokens/s per GPU here over tokens/s per GPU there; ``--target`` stores it in ``b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import PEAK_BF16_TFLOPS, SHAPES, build, flops_per_sequence, make_batch
+from _common import PEAK_BF16_TFLOPS, SHAPES, StepProfile, build, flops_per_sequence, make_batch
 from _record import update_target, write_record
 
 
@@ -92,12 +93,15 @@ def main() -> None:
     tokens = sum(lengths)
     flops = sum(flops_per_sequence(args.shape, n) for n in lengths)
     times, losses = [], []
+    profile = StepProfile()
     with engine.train_mode():
         for step in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
-            out = engine.train_batch(batch, loss_fn)
+            last = step == args.warmup + args.steps - 1
+            with profile(args.out.stem) if last else contextlib.nullcontext():
+                out = engine.train_batch(batch, loss_fn)
             torch.cuda.synchronize()
             elapsed = slowest(time.perf_counter() - start)
             losses.append(float(out["loss"]))
