@@ -124,7 +124,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("test_engine_optimizer", "test_engine_no_host_sync"),
     ),
     ("verl-engine", "packed batches, static / dynamic CP", ("test_engine_packed_cpu",)),
-    ("verl-engine", "PP, PP x VPP, PP x TP / CP", ("test_rl_engine_pipeline*",)),
+    ("verl-engine", "PP, PP x VPP, PP x TP / CP", ("test_rl_engine_pipeline*", "test_gpu_pipeline")),
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),
