@@ -72,6 +72,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "mbridge without Transformer Engine", ("test_bridges",)),
     ("verl-mcore-utils", "core attention without Transformer Engine", ("test_core_attention",)),
     ("verl-mcore-utils", "HF weights: load, export (TP, PP)", ("test_weights",)),
+    ("verl-mcore-utils", "mixture-of-experts models (Qwen3-MoE): HF parity, weights", ("test_moe",)),
     ("verl-mcore-utils", "LoRA with peft, HF adapters", ("test_lora",)),
     ("verl-mcore-utils", "offload / onload", ("test_offload",)),
     ("verl-mcore-utils", "fused SwiGLU MLP (Triton)", ("test_swiglu", "test_gpu_swiglu")),

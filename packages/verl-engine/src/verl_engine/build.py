@@ -149,6 +149,7 @@ def _model_config(
             raise ValueError("give model.path (a Hugging Face model directory) or an hf_config")
         hf_config = load_hf_config(model_path)
     hf = {**dict(hf_config), **dict(override_model_config or {})}
+    _refuse_moe(hf, model_path=model_path)
     mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
     lora = lora if lora is not None and lora.enabled else None
     if lora is not None and mtp_layers and mtp.enable_train:
@@ -368,6 +369,23 @@ def _load_weights(
     with context:
         load_hf_weights(chunks, model_path, hf_config=hf_config)
     return chunks
+
+
+def _refuse_moe(hf: Mapping[str, Any], *, model_path: str | None) -> None:
+    """verl-mcore-utils builds Qwen3-MoE (HF parity, weights both ways); the engine does not train it yet.
+
+    Its micro-batch loop, losses and parallel layouts know nothing of routers: the load-balancing loss would
+    be scaled by no schedule, expert parallelism is not placed, router replay is absent. Refused by name
+    rather than trained wrongly.
+    """
+    from verl_mcore_utils.transformer_config import MOE_MODEL_TYPES
+
+    if hf.get("model_type") in MOE_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model {model_path or '(hf_config)'}: {hf.get('model_type')!r} is a mixture-of-experts model; verl-engine"
+            " trains dense models only (qwen2, qwen3, llama) so far; verl_mcore_utils.build_gpt_model builds it"
+            " for inference and weight conversion"
+        )
 
 
 def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | None, value_model: bool) -> int:

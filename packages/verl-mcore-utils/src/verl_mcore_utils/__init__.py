@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.module import get_model_config as get_model_config
     from verl_mcore_utils.module import make_megatron_module as make_megatron_module
     from verl_mcore_utils.module import unwrap_model as unwrap_model
+    from verl_mcore_utils.moe import PortableTopKRouter as PortableTopKRouter
+    from verl_mcore_utils.moe import make_moe_portable as make_moe_portable
     from verl_mcore_utils.mtp import build_mtp_block as build_mtp_block
     from verl_mcore_utils.mtp import mtp_layer_forward as mtp_layer_forward
     from verl_mcore_utils.multi_tensor import (
@@ -74,6 +76,7 @@ _LAZY: dict[str, str] = {
     "PRESETS": "verl_mcore_utils.presets",
     "ParallelDims": "verl_mcore_utils.parallel",
     "PortableRotaryEmbedding": "verl_mcore_utils.rope",
+    "PortableTopKRouter": "verl_mcore_utils.moe",
     "SDPACoreAttention": "verl_mcore_utils.attention",
     "SpecProvider": "verl_mcore_utils.module",
     "ValueHead": "verl_mcore_utils.module",
@@ -94,6 +97,7 @@ _LAZY: dict[str, str] = {
     "load_hf_weights": "verl_mcore_utils.weights",
     "local_layer_spec": "verl_mcore_utils.model",
     "make_megatron_module": "verl_mcore_utils.module",
+    "make_moe_portable": "verl_mcore_utils.moe",
     "make_rope_portable": "verl_mcore_utils.rope",
     "mtp_layer_forward": "verl_mcore_utils.mtp",
     "offload_megatron_model": "verl_mcore_utils.offload",

@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["TINY_ARCHS", "save_tiny_hf_model", "tiny_hf_config"]
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama")
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **overrides: Any) -> Any:
@@ -42,6 +42,9 @@ def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **over
         common["head_dim"] = 24  # != hidden / heads, as in real Qwen3 models
     elif model_type == "llama":
         cls = transformers.LlamaConfig
+    elif model_type == "qwen3_moe":  # 4 experts of width 48, top 2, QK layernorm like Qwen3
+        cls = transformers.Qwen3MoeConfig
+        common.update(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     else:
         raise ValueError(
             f"model_type {model_type!r} has no tiny config; choose one of {', '.join(TINY_ARCHS)}"
@@ -68,6 +71,9 @@ def save_tiny_hf_model(
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                # an MoE router: logits far apart, so no top-k choice is a near tie that rounding could flip
+                param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
     path = Path(path)

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_mcore_utils.attention import SDPACoreAttention
 from verl_mcore_utils.compat import hf_rope_parameters, with_mlp_class
+from verl_mcore_utils.moe import make_moe_portable
 from verl_mcore_utils.rope import make_rope_portable
 from verl_mcore_utils.swiglu import FusedSwiGLUMLP
 from verl_mcore_utils.transformer_config import hf_get
@@ -25,19 +26,24 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
     """megatron-core's local GPT layer spec with ``core_attention`` swapped in (no Transformer Engine).
 
     The MLP is :class:`verl_mcore_utils.swiglu.FusedSwiGLUMLP`: megatron-core's MLP whose gated SiLU runs
-    as one Triton kernel on CUDA (megatron-core's own forward everywhere else).
+    as one Triton kernel on CUDA (megatron-core's own forward everywhere else). A config with experts
+    (``num_moe_experts``) gets megatron-core's MoE layer instead: router + sequential expert MLPs.
     """
     if tf_config.sequence_parallel:
         raise ValueError(
             "sequence_parallel=True needs Transformer Engine's layer norm (megatron-core's torch norm asserts it off);"
             " set megatron.sequence_parallel=false or install Transformer Engine"
         )
+    experts = tf_config.num_moe_experts
     spec = get_gpt_layer_local_spec(
+        num_experts=experts,
+        moe_grouped_gemm=False,
         normalization=tf_config.normalization,
         qk_layernorm=tf_config.qk_layernorm,
     )
     spec.submodules.self_attention.submodules.core_attention = core_attention
-    spec.submodules.mlp = with_mlp_class(spec.submodules.mlp, base=MLP, cls=FusedSwiGLUMLP)
+    if not experts:
+        spec.submodules.mlp = with_mlp_class(spec.submodules.mlp, base=MLP, cls=FusedSwiGLUMLP)
     return spec
 
 
@@ -84,4 +90,5 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     make_rope_portable(model, device)
+    make_moe_portable(model, device)
     return model.to(device)

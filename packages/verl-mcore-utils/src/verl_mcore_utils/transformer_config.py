@@ -1,4 +1,4 @@
-"""Hugging Face config -> megatron-core TransformerConfig for dense Qwen2 / Qwen3 / Llama models."""
+"""Hugging Face config -> megatron-core TransformerConfig: dense Qwen2 / Qwen3 / Llama and Qwen3-MoE models."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "hf_get", "hf_mtp_num_layers", "hf_to_transformer_config"]
+__all__ = [
+    "MOE_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "hf_get",
+    "hf_mtp_num_layers",
+    "hf_num_experts",
+    "hf_to_transformer_config",
+]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+#: Mixture-of-experts architectures: megatron-core MoE layers (router + sequential experts) on the local spec.
+MOE_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -20,6 +29,15 @@ def hf_get(hf_config: Mapping[str, Any] | Any, key: str, default: Any = None) ->
     if isinstance(hf_config, Mapping):
         return hf_config.get(key, default)
     return getattr(hf_config, key, default)
+
+
+def hf_num_experts(hf_config: Mapping[str, Any] | Any) -> int:
+    """Routed experts per MoE layer (0 for a dense model).
+
+    Qwen3-MoE checkpoints name it ``num_experts``; transformers 5 writes ``num_local_experts`` (its attribute
+    map's name) when it saves one.
+    """
+    return int(hf_get(hf_config, "num_experts", None) or hf_get(hf_config, "num_local_experts", None) or 0)
 
 
 def hf_mtp_num_layers(hf_config: Mapping[str, Any] | Any) -> int:
@@ -62,8 +80,10 @@ def hf_to_transformer_config(
         raise ValueError(f"hidden_act {act!r} is not supported; dense Qwen2/Qwen3/Llama use 'silu' (SwiGLU)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    moe = _moe_fields(hf_config, tensor_model_parallel_size) if model_type in MOE_MODEL_TYPES else {}
     kwargs: dict[str, Any] = {
         **_model_fields(hf_config, model_type),
+        **moe,
         # Fusions that need TE / apex / custom CUDA kernels: off, so CPU and plain CUDA both work.
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
@@ -82,8 +102,9 @@ def hf_to_transformer_config(
         # stages exchange activations of any length (packed micro-batches differ): shapes travel first
         "variable_seq_lengths": pipeline_model_parallel_size > 1,
         # megatron-core refuses variable_seq_lengths with the default allgather MoE dispatcher even for dense
-        # models (0.19); alltoall is what verl sets too
-        "moe_token_dispatcher_type": "alltoall",
+        # models (0.19); alltoall is what verl sets too. An MoE model on a host without CUDA gets allgather:
+        # megatron-core's alltoall dispatcher creates a CUDA stream when it is built.
+        "moe_token_dispatcher_type": "alltoall" if not moe or torch.cuda.is_available() else "allgather",
         "context_parallel_size": context_parallel_size,
         "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": use_cpu_initialization,
@@ -111,10 +132,43 @@ def _model_fields(hf_config: Mapping[str, Any] | Any, model_type: str) -> dict[s
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": model_type == "qwen2" or attention_bias,
-        "qk_layernorm": model_type == "qwen3",
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
         "attention_dropout": float(hf_get(hf_config, "attention_dropout", 0.0) or 0.0),
         "hidden_dropout": 0.0,
         "init_method_std": hf_get(hf_config, "initializer_range", 0.02),
+    }
+
+
+def _moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: int) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.
+
+    Routing: Qwen3-MoE takes the softmax over all experts, keeps the top k and, with ``norm_topk_prob``,
+    renormalises them; a softmax over the top-k logits is the same thing, which is megatron-core's
+    ``moe_router_pre_softmax=False``; without renormalisation it is ``pre_softmax=True``. The load-balancing
+    loss is the Switch-style aux loss with ``router_aux_loss_coef``. Experts are megatron-core's sequential
+    MLPs (no grouped GEMM without Transformer Engine here).
+    """
+    sparse_step = hf_get(hf_config, "decoder_sparse_step", 1)
+    dense_layers = list(hf_get(hf_config, "mlp_only_layers", None) or [])
+    if sparse_step != 1 or dense_layers:
+        raise ValueError(
+            f"qwen3_moe with dense layers (decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}) is"
+            " not supported: every decoder layer must be an MoE layer (decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    if tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"tensor_model_parallel_size={tensor_model_parallel_size} with the mixture-of-experts model"
+            f" {hf_get(hf_config, 'model_type')!r} is not supported yet; use tensor_model_parallel_size=1"
+        )
+    return {
+        "num_moe_experts": hf_num_experts(hf_config),
+        "moe_ffn_hidden_size": int(hf_get(hf_config, "moe_intermediate_size")),
+        "moe_router_topk": int(hf_get(hf_config, "num_experts_per_tok")),
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not bool(hf_get(hf_config, "norm_topk_prob", False)),
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+        "moe_grouped_gemm": False,
     }
 
 

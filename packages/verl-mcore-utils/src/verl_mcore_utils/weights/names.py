@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from verl_mcore_utils.transformer_config import SUPPORTED_MODEL_TYPES, hf_get
+from verl_mcore_utils.transformer_config import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, hf_get, hf_num_experts
 
 Fusion = Literal["none", "qkv", "gate_up"]
 
@@ -50,8 +50,21 @@ _LAYER_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None, str | None],
     ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "none", None, "qk_norm"),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "none", 1, None),
     ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "none", None, None),
-    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0, None),
-    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "none", 1, None),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0, "dense"),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "none", 1, "dense"),
+)
+# An MoE layer's MLP part: the router (Hugging Face ``mlp.gate``) and, per expert ``{e}``, megatron-core's
+# sequential expert MLP (``local_experts.{e}``, one expert per slot without expert parallelism). Hugging Face
+# checkpoints store experts one by one (transformers 5 fuses them in memory, not on disk).
+_MOE_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None], ...] = (
+    ("mlp.router.weight", ("mlp.gate.weight",), "none", None),
+    (
+        "mlp.experts.local_experts.{e}.linear_fc1.weight",
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        "gate_up",
+        0,
+    ),
+    ("mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), "none", 1),
 )
 
 #: megatron linear module inside a TransformerLayer -> the Hugging Face linear modules it fuses, in the
@@ -59,7 +72,7 @@ _LAYER_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None, str | None],
 #: megatron module become those of each Hugging Face module).
 LAYER_MODULE_MAP: Mapping[str, tuple[str, ...]] = {
     meg.removesuffix(".weight"): tuple(h.removesuffix(".weight") for h in hf)
-    for meg, hf, _, tp_dim, _ in _LAYER_TABLE
+    for meg, hf, _, tp_dim, _ in _LAYER_TABLE  # dense layers (LoRA targets no expert)
     if tp_dim is not None and meg.endswith(".weight")
 }
 
@@ -86,6 +99,12 @@ class HFDims:
     qkv_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def dense(self) -> bool:
+        return self.num_experts == 0
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> HFDims:
@@ -103,6 +122,7 @@ class HFDims:
             raise ValueError("mlp_bias=True is not supported (the megatron model has add_bias_linear=False)")
         hidden = int(hf_get(hf_config, "hidden_size"))
         heads = int(hf_get(hf_config, "num_attention_heads"))
+        moe = model_type in MOE_MODEL_TYPES
         return cls(
             model_type=model_type,
             vocab_size=int(hf_get(hf_config, "vocab_size")),
@@ -113,8 +133,10 @@ class HFDims:
             num_query_groups=int(hf_get(hf_config, "num_key_value_heads", None) or heads),
             head_dim=int(hf_get(hf_config, "head_dim", None) or hidden // heads),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(hf_get(hf_config, "tie_word_embeddings", False)),
+            num_experts=hf_num_experts(hf_config) if moe else 0,
+            moe_intermediate_size=int(hf_get(hf_config, "moe_intermediate_size")) if moe else 0,
         )
 
 
@@ -137,6 +159,18 @@ def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> l
                 tp_dim,
             )
         )
+    for expert in range(dims.num_experts) if dims.num_experts else ():
+        for meg, hf, fusion, tp_dim in _MOE_TABLE:
+            if "{e}" not in meg and expert:
+                continue  # the router: once per layer
+            out.append(
+                ParamMapping(
+                    f"decoder.layers.{layer}.{meg.format(e=expert)}",
+                    tuple(f"model.layers.{layer}.{h.format(e=expert)}" for h in hf),
+                    fusion,
+                    tp_dim,
+                )
+            )
     return out
 
 
@@ -174,6 +208,10 @@ def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[i
         "mlp.gate_proj.weight": (d.intermediate_size, d.hidden_size),
         "mlp.up_proj.weight": (d.intermediate_size, d.hidden_size),
         "mlp.down_proj.weight": (d.hidden_size, d.intermediate_size),
+        "mlp.gate.weight": (d.num_experts, d.hidden_size),
+        "expert.gate_proj.weight": (d.moe_intermediate_size, d.hidden_size),
+        "expert.up_proj.weight": (d.moe_intermediate_size, d.hidden_size),
+        "expert.down_proj.weight": (d.hidden_size, d.moe_intermediate_size),
     }
     top = {
         "model.embed_tokens.weight": (d.vocab_size, d.hidden_size),
@@ -183,7 +221,10 @@ def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[i
     shapes: dict[str, tuple[int, ...]] = {}
     for mapping in param_mappings(hf_config=d):
         for name in mapping.hf_names:
-            shapes[name] = top[name] if name in top else per_layer[name.split(".", 3)[3]]
+            suffix = name.split(".", 3)[3] if name not in top else name
+            if suffix.startswith("mlp.experts."):  # mlp.experts.{e}.gate_proj.weight
+                suffix = "expert." + suffix.split(".", 3)[3]
+            shapes[name] = top[name] if name in top else per_layer[suffix]
     return shapes
 
 
