@@ -23,7 +23,7 @@ go 100 scaling_1.5b_dp1_$TAG "${RUN[@]}" --nproc-per-node 1 scaling_gpu.py "${S[
 go 100 scaling_1.5b_dp2_$TAG "${RUN[@]}" --nproc-per-node 2 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \
   --baseline results/scaling_1.5b_dp1_$TAG.json --out results/scaling_1.5b_dp2_$TAG.json
 go 110 scaling_1.5b_dp4_$TAG "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \
-  --baseline results/scaling_1.5b_dp1_$TAG.json --target dp4_scaling_efficiency --out results/scaling_1.5b_dp4_$TAG.json
+  --baseline results/scaling_1.5b_dp1_$TAG.json --target dp4_scaling_efficiency:scaling_efficiency --out results/scaling_1.5b_dp4_$TAG.json
 go 100 scaling_1.5b_pp2_$TAG "${RUN[@]}" --nproc-per-node 2 scaling_gpu.py "${S[@]}" --seqs-per-replica 32 --pp 2 \
   --out results/scaling_1.5b_pp2_$TAG.json
 D=(--preset 1b --layers 12 --vocab 32000 --mean 1024 --sigma 1.0 --min-len 128 --max-len 8192

@@ -3,7 +3,7 @@
 
     torchrun --nproc-per-node 1 benchmarks/scaling_gpu.py --out benchmarks/results/scaling_1.5b_dp1_h200.json
     torchrun --nproc-per-node 4 benchmarks/scaling_gpu.py --baseline benchmarks/results/scaling_1.5b_dp1_h200.json \
-        --out benchmarks/results/scaling_1.5b_dp4_h200.json --target dp4_scaling_efficiency
+        --out benchmarks/results/scaling_1.5b_dp4_h200.json --target dp4_scaling_efficiency:scaling_efficiency
     torchrun --nproc-per-node 2 benchmarks/scaling_gpu.py --pp 2 --out benchmarks/results/scaling_1.5b_pp2_h200.json
 
 A Qwen2.5-shaped megatron-core model (random weights, bf16, no Transformer Engine) built by
@@ -20,7 +20,10 @@ of ``--steps`` after ``--warmup``), tokens/s, tokens/s per GPU, model TFLOP/s pe
 989 TFLOP/s dense bf16 peak of H100 / H200 SXM (Megatron-LM's counting: full attention ``s^2`` term, LM head
 included, backward = 2 x forward), peak memory (``max_memory_allocated``, maximum over ranks). With
 ``--baseline`` (the one-GPU record of the same shape and sequences per replica) the scaling efficiency:
-tokens/s per GPU here over tokens/s per GPU there; ``--target`` stores it in ``benchmarks/results/targets.json``.
+tokens/s per GPU here over tokens/s per GPU there. With ``--versus`` (another layout's record on the same GPUs,
+shape and batch, e.g. DDP + distributed optimizer against Megatron-FSDP) the ratios ``tokens_ratio`` and
+``memory_ratio`` (this run over that one). ``--target KEY:METRIC`` stores a number (``scaling_efficiency``,
+``mfu``, ``tokens_ratio``, ``memory_ratio``) in ``benchmarks/results/targets.json`` under KEY.
 """
 
 from __future__ import annotations
@@ -60,7 +63,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--override", nargs="*", default=[], help="more verl config overrides (key=value)")
     parser.add_argument("--baseline", type=Path, default=None, help="the one-GPU record to compare with")
-    parser.add_argument("--target", default=None, help="targets.json key for the scaling efficiency")
+    parser.add_argument("--versus", type=Path, default=None, help="another layout's record of the same work")
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="KEY:METRIC, a targets.json key and the number it takes (repeatable)",
+    )
     args = parser.parse_args()
 
     from verl_engine.losses import ppo_loss
@@ -134,6 +143,17 @@ def main() -> None:
                 raise SystemExit(f"--baseline {args.baseline} ran another shape / sequence setting")
             numbers["baseline"] = str(args.baseline)
             numbers["scaling_efficiency"] = numbers["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+        if args.versus is not None:
+            other = json.loads(args.versus.read_text())
+            if other["gpus"] != world or other["config"]["shape"] != args.shape:
+                raise SystemExit(f"--versus {args.versus} ran on other GPUs or another shape")
+            if other["tokens_per_step"] != tokens:
+                raise SystemExit(
+                    f"--versus {args.versus} ran another batch ({other['tokens_per_step']} tokens)"
+                )
+            numbers["versus"] = str(args.versus)
+            numbers["tokens_ratio"] = numbers["tokens_per_s"] / other["tokens_per_s"]
+            numbers["memory_ratio"] = numbers["peak_memory_gib"] / other["peak_memory_gib"]
         record = write_record(
             args.out,
             benchmark="scaling_gpu",
@@ -153,16 +173,19 @@ def main() -> None:
             numbers=numbers,
         )
         print(json.dumps({k: v for k, v in record.items() if k != "versions"}, default=float), flush=True)
-        if args.target is not None:
-            if "scaling_efficiency" not in numbers:
-                raise SystemExit("--target needs --baseline (the efficiency is measured against it)")
-            update_target(
-                args.target,
-                numbers["scaling_efficiency"],
-                goal=">= 0.95 (tokens/s per GPU against one GPU)",
-                source=args.out,
-                record=record,
-            )
+        goals = {
+            "scaling_efficiency": ">= 0.95 (tokens/s per GPU against one GPU)",
+            "mfu": ">= 0.47 (Megatron-LM's published 7.1B MFU, with Transformer Engine)",
+            "tokens_ratio": ">= 0.9 (tokens/s against the --versus layout)",
+            "memory_ratio": "<= 0.6 (peak memory against the --versus layout)",
+        }
+        for target in args.target:
+            key, _, metric = target.partition(":")
+            if metric not in goals or metric not in numbers:
+                raise SystemExit(
+                    f"--target {target!r}: METRIC must be one of {sorted(goals)} and measured here"
+                )
+            update_target(key, numbers[metric], goal=goals[metric], source=args.out, record=record)
     destroy_parallel()
     os._exit(0)
 
