@@ -1,0 +1,203 @@
+"""Per-rank functions of the verl backend tests (picklable: module level), CPU / gloo.
+
+Each rank builds the same role twice from one tiny Hugging Face model: our engine directly (verl-config override
+strings, our losses) and verl 0.9.1's own ``TrainingWorker`` constructed without Ray, which finds our engine through
+verl's ``EngineRegistry`` (``VERL_ENGINE_DEVICE=verl_engine``) and calls it with verl's loss functions. Both see the
+same batch (verl's no-padding layout for the worker, the padded one for the direct engine); every number is
+returned so the test compares them.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any
+
+import torch
+
+# the PPO settings both sides use: PPO clip + entropy bonus + low-variance KL to the reference
+ACTOR = {
+    "entropy_coeff": 0.01,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.1,
+    "kl_loss_type": "low_var_kl",
+    "loss_agg_mode": "token-mean",
+    "clip_ratio": 0.2,
+}
+OPTIM = {"lr": 1e-2, "clip_grad": 1e9, "weight_decay": 0.0, "total_training_steps": 10}
+MICRO = 2
+# verl/trainer/config/engine/megatron.yaml's override_transformer_config (the dataclass default is {}; verl's trainer
+# builds the engine config from the YAML)
+YAML_TRANSFORMER = {
+    "recompute_granularity": None,
+    "recompute_modules": ["core_attn"],
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "attention_backend": "flash",
+}
+
+
+def setup() -> None:
+    """The test-only CPU patches, then our plugin (verl would import it from the entry point when installed)."""
+    os.environ["VERL_ENGINE_DEVICE"] = "verl_engine"
+    import verl_cpu_platform
+
+    verl_cpu_platform.install()
+    import verl_engine.integrations.verl  # noqa: F401  (registers the engines)
+
+
+def no_padding(batch: dict[str, torch.Tensor], **scalars: Any) -> Any:
+    """verl's trainer layout: ``left_right_2_no_padding`` of the padded batch plus its non-tensor keys."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    response_len = batch["response_mask"].shape[1]
+    tensors = dict(batch)
+    tensors["prompts"] = batch["input_ids"][:, :-response_len]
+    tensors["responses"] = batch["input_ids"][:, -response_len:]
+    td = TensorDict(tensors, batch_size=[batch["input_ids"].shape[0]])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, **scalars)
+    return td
+
+
+def verl_configs(model_dir: str, *, role: str) -> tuple[Any, Any, Any, Any]:
+    """verl's four per-role config objects, as its trainer builds them for ``model_engine=megatron``."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.config import McoreCheckpointConfig as Ckpt
+
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=True)
+    engine = McoreEngineConfig(
+        micro_batch_size_per_gpu=MICRO,
+        infer_micro_batch_size_per_gpu=MICRO,
+        max_token_len_per_gpu=4096,
+        infer_max_token_len_per_gpu=4096,
+        forward_only=role == "ref",
+        override_transformer_config=dict(YAML_TRANSFORMER),
+    )
+    optim = None if role == "ref" else McoreOptimizerConfig(**OPTIM)
+    return model, engine, optim, Ckpt()
+
+
+def verl_worker(model_dir: str, *, role: str) -> Any:
+    """verl's TrainingWorker for ``role`` (actor / ref / critic) over our engine, initialised."""
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    model, engine, optim, ckpt = verl_configs(model_dir, role=role)
+    config = TrainingWorkerConfig(
+        model_type="value_model" if role == "critic" else "language_model",
+        model_config=model,
+        engine_config=engine,
+        optimizer_config=optim,
+        checkpoint_config=ckpt,
+    )
+    worker = TrainingWorker(config)
+    worker.reset()
+    return worker
+
+
+def verl_actor_config() -> Any:
+    from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(
+        strategy="megatron", rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=MICRO, **ACTOR
+    )
+
+
+def verl_critic_config() -> Any:
+    from verl.workers.config import McoreCriticConfig
+
+    return McoreCriticConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=MICRO)
+
+
+def direct_engine(model_dir: str, *, role: str) -> tuple[Any, Any]:
+    """Our engine built directly from verl-config override strings with the same settings."""
+    import torch.distributed as dist
+    from rl_engine_workers import _engine
+
+    a = "actor_rollout_ref.actor"
+    overrides = [
+        f"trainer.n_gpus_per_node={dist.get_world_size()}",
+        *(f"{a}.{k}={v}" for k, v in ACTOR.items()),
+    ]
+    return _engine(overrides, role, model_dir, "cpu")
+
+
+def params_of(engine: Any) -> dict[str, torch.Tensor]:
+    from verl_mcore_utils.module import unwrap_model
+
+    return {n: p.detach().float().clone() for n, p in unwrap_model(engine.model).named_parameters()}
+
+
+def flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """verl's per-micro-batch metric lists (gathered over the size-1 DP group) reduced as verl's trainer does."""
+    from verl.utils.metric import AggregationType, Metric
+
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        items = value
+        while isinstance(items, list) and items and isinstance(items[0], list):
+            items = [x for xs in items for x in xs]
+        if not isinstance(items, list):
+            out[key] = float(items)
+        elif items and isinstance(items[0], Metric):
+            merged = Metric(aggregation=items[0].aggregation)
+            for m in items:
+                merged.extend(m)
+            out[key] = float(merged.aggregate())
+        else:
+            out[key] = float(sum(items) / len(items))
+    del AggregationType
+    return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def jagged_vs_padded(jagged: torch.Tensor, padded: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest difference between a jagged whole-sequence output and the padded layout's valid columns."""
+    dense = padded[mask.bool()]
+    return float((jagged.values().double() - dense.double()).abs().max())
+
+
+def actor_step(rank: int, world_size: int, model_dir: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One PPO step (entropy + KL) through verl's worker and directly; ref log-probs both ways."""
+    setup()
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+
+    from verl_engine.losses import ppo_loss
+
+    out: dict[str, Any] = {}
+    scalars = {"calculate_entropy": True, "global_batch_size": batch["input_ids"].shape[0]}
+    # reference: infer only
+    ref_direct, _ = direct_engine(model_dir, role="ref")
+    with ref_direct.eval_mode():
+        direct = ref_direct.infer_batch({**batch, "calculate_entropy": True})["model_output"]
+    ref = verl_worker(model_dir, role="ref")
+    result = ref.infer_batch(no_padding(batch, compute_loss=False, **scalars))
+    out["ref"] = {
+        key: jagged_vs_padded(tu.get(result, key), direct[key], batch["attention_mask"]) if rank == 0 else 0.0
+        for key in ("log_probs", "entropy")
+    }
+    # actor: one train step
+    actor_direct, cfg = direct_engine(model_dir, role="actor")
+    with actor_direct.train_mode():
+        res = actor_direct.train_batch(
+            {**batch, **scalars}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        )
+    out["direct"] = {"loss": res["loss"], "metrics": dict(res["metrics"]), "params": params_of(actor_direct)}
+    actor = verl_worker(model_dir, role="actor")
+    actor.set_loss_fn(partial(verl_ppo_loss, config=verl_actor_config()))
+    result = actor.train_batch(no_padding(batch, **scalars))
+    metrics = tu.get(result, "metrics") if result is not None else {}
+    out["verl"] = {
+        "loss": metrics.get("loss"),
+        "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
+        "params": params_of(actor.engine.engine),
+    }
+    return out
