@@ -24,7 +24,8 @@ ACTOR = {
     "loss_agg_mode": "token-mean",
     "clip_ratio": 0.2,
 }
-OPTIM = {"lr": 1e-2, "clip_grad": 1e9, "weight_decay": 0.0, "total_training_steps": 10}
+# lr 1e-3: Adam turns a 1e-7 gradient difference of a near-zero gradient into ~lr * 1e-4; the 1e-6 bound holds
+OPTIM = {"lr": 1e-3, "clip_grad": 1e9, "weight_decay": 0.0, "total_training_steps": 10}
 MICRO = 2
 # verl/trainer/config/engine/megatron.yaml's override_transformer_config (the dataclass default is {}; verl's trainer
 # builds the engine config from the YAML)
@@ -121,6 +122,7 @@ def direct_engine(model_dir: str, *, role: str) -> tuple[Any, Any]:
     overrides = [
         f"trainer.n_gpus_per_node={dist.get_world_size()}",
         *(f"{a}.{k}={v}" for k, v in ACTOR.items()),
+        *(f"{section}.optim.{k}={v}" for section in (a, "critic") for k, v in OPTIM.items()),
     ]
     return _engine(overrides, role, model_dir, "cpu")
 
@@ -164,8 +166,11 @@ def jagged_vs_padded(jagged: torch.Tensor, padded: torch.Tensor, mask: torch.Ten
     return float((jagged.values().double() - dense.double()).abs().max())
 
 
-def actor_step(rank: int, world_size: int, model_dir: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """One PPO step (entropy + KL) through verl's worker and directly; ref log-probs both ways."""
+def verl_drives_engine(
+    rank: int, world_size: int, model_dir: str, batch: dict[str, torch.Tensor], ckpt_dir: str
+) -> dict[str, Any]:
+    """Every TrainingWorker call against our engine driven directly: reference log-probs, one PPO step (entropy +
+    KL), offload through ``to``, delta export, checkpoints, and one critic step."""
     setup()
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
@@ -200,4 +205,144 @@ def actor_step(rank: int, world_size: int, model_dir: str, batch: dict[str, torc
         "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
         "params": params_of(actor.engine.engine),
     }
+    out["offload"] = offload_roundtrip(actor, batch, scalars)
+    out["delta"] = delta_export(actor, batch, scalars)
+    out["checkpoint"] = checkpoint_roundtrip(actor, batch, scalars, ckpt_dir)
+    out["critic"] = critic_step(model_dir, batch)
     return out
+
+
+def _log_probs(worker: Any, batch: dict[str, torch.Tensor], scalars: dict[str, Any]) -> torch.Tensor:
+    from verl.utils import tensordict_utils as tu
+
+    result = worker.infer_batch(no_padding(batch, compute_loss=False, **scalars))
+    return tu.get(result, "log_probs").values().clone() if result is not None else torch.zeros(0)
+
+
+def offload_roundtrip(worker: Any, batch: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+    """verl's ``TrainingWorker.to``: offload everything, bring it back; the outputs must not change."""
+    before = _log_probs(worker, batch, scalars)
+    worker.to("cpu", model=True, optimizer=True, grad=True)
+    offloaded = dict(worker.engine._offloaded)
+    worker.to("device", model=True, optimizer=True, grad=True)
+    onloaded = dict(worker.engine._offloaded)
+    after = _log_probs(worker, batch, scalars)
+    return {
+        "offloaded": offloaded,
+        "onloaded": onloaded,
+        "max_diff": float((before - after).abs().max()) if before.numel() else 0.0,
+    }
+
+
+def _full_export(engine: Any) -> dict[str, torch.Tensor]:
+    gen, peft = engine.get_per_tensor_param(layered_summon=False, base_sync_done=False)
+    assert peft is None
+    return {name: t.detach().clone() for name, t in gen}
+
+
+def delta_export(worker: Any, batch: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+    """Delta sync after one step: only the changed elements are sent, and they rebuild the new weights exactly."""
+    engine = worker.engine
+    before = _full_export(engine)
+    full_bytes = sum(t.numel() * t.element_size() for t in before.values())
+    engine.prime_delta_snapshots()
+    worker.train_batch(no_padding(batch, **scalars))
+    after = _full_export(engine)
+    gen, _ = engine.get_per_tensor_param_delta_shard()
+    sent_bytes, changed, rebuilt_diff, unchanged_tensors, zero_count_tensors = 0, 0, 0.0, 0, 0
+    for slots, _dtype, counts, idx, val, _group in gen:
+        (name, _shape), count = slots[0], int(counts.sum())
+        sent_bytes += idx.numel() * idx.element_size() + val.numel() * val.element_size()
+        changed += count
+        rebuilt = before[name].clone().view(-1) if count else after[name].clone().view(-1)
+        rebuilt[idx.long()] = val
+        rebuilt_diff = max(rebuilt_diff, float((rebuilt.view_as(after[name]) - after[name]).abs().max()))
+        truly_changed = int((before[name] != after[name]).sum())
+        # whole tensors are unsharded for verl: global rank 0 sends, the other ranks keep lockstep with empty entries
+        assert count == (truly_changed if torch.distributed.get_rank() == 0 else 0), (
+            name,
+            truly_changed,
+            count,
+        )
+        unchanged_tensors += truly_changed == 0
+        zero_count_tensors += count == 0
+    idle, _ = (
+        engine.get_per_tensor_param_delta_shard()
+    )  # nothing moved since the last export: nothing to send
+    idle_bytes = sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size() for e in idle)
+    return {
+        "idle_bytes": idle_bytes,
+        "full_bytes": full_bytes,
+        "sent_bytes": sent_bytes,
+        "changed_elements": changed,
+        "total_elements": sum(t.numel() for t in before.values()),
+        "rebuilt_max_diff": rebuilt_diff,
+        "unchanged_tensors": unchanged_tensors,
+        "zero_count_tensors": zero_count_tensors,
+    }
+
+
+def checkpoint_roundtrip(
+    worker: Any, batch: dict[str, torch.Tensor], scalars: dict[str, Any], ckpt_dir: str
+) -> dict[str, Any]:
+    """Save through verl's worker, train on, load: the saved weights come back; max_ckpt_to_keep removes the
+    oldest saved path; a set hdfs_path is refused."""
+    first, second = (
+        os.path.join(ckpt_dir, "global_step_1", "actor"),
+        os.path.join(ckpt_dir, "global_step_2", "actor"),
+    )
+    worker.save_checkpoint(first, None, 1, 1)
+    saved = params_of(worker.engine.engine)
+    worker.train_batch(no_padding(batch, **scalars))
+    moved = max_diff(saved, params_of(worker.engine.engine))
+    worker.save_checkpoint(second, None, 2, 1)  # keeps only the newest: `first` is removed
+    second_saved = params_of(worker.engine.engine)
+    first_removed = not os.path.exists(first)
+    worker.train_batch(no_padding(batch, **scalars))
+    moved_state = params_of(worker.engine.engine)
+    worker.load_checkpoint(second, None, False)
+    second_state = params_of(worker.engine.engine)
+    try:
+        worker.save_checkpoint(os.path.join(ckpt_dir, "x"), "hdfs://namenode/ckpt", 3, None)
+        hdfs_error = ""
+    except ValueError as error:
+        hdfs_error = str(error)
+    return {
+        "moved_after_save": moved,
+        "first_removed": first_removed,
+        "second_kept": os.path.exists(second),
+        "load_max_diff": max_diff(second_saved, second_state),
+        "moved_before_load": max_diff(second_saved, moved_state),
+        "hdfs_error": hdfs_error,
+    }
+
+
+def critic_step(model_dir: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One critic step with verl's value_loss through the worker and with ours directly."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import value_loss as verl_value_loss
+
+    from verl_engine.losses import value_loss
+
+    scalars = {"global_batch_size": batch["input_ids"].shape[0]}
+    direct, cfg = direct_engine(model_dir, role="critic")
+    with direct.eval_mode():
+        values_direct = direct.infer_batch(dict(batch))["model_output"]["values"]
+    with direct.train_mode():
+        res = direct.train_batch({**batch, **scalars}, partial(value_loss, config=cfg.critic))
+    critic = verl_worker(model_dir, role="critic")
+    values = critic.infer_batch(no_padding(batch, compute_loss=False, **scalars))
+    critic.set_loss_fn(partial(verl_value_loss, config=verl_critic_config()))
+    result = critic.train_batch(no_padding(batch, **scalars))
+    metrics = tu.get(result, "metrics") if result is not None else {}
+    return {
+        "values_diff": jagged_vs_padded(tu.get(values, "values"), values_direct, batch["attention_mask"])
+        if values is not None
+        else 0.0,
+        "direct": {"loss": res["loss"], "metrics": dict(res["metrics"]), "params": params_of(direct)},
+        "verl": {
+            "loss": metrics.get("loss"),
+            "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
+            "params": params_of(critic.engine.engine),
+        },
+    }
