@@ -74,6 +74,9 @@ def _table(out: dict) -> dict:
         ),
         "critic weights after the step": _params_diff(critic["direct"]["params"], critic["verl"]["params"]),
         "to(cpu) then to(device): log_probs": out["offload"]["max_diff"],
+        "train_batch with param/optimizer offload: weights": _params_diff(
+            out["auto_offload"]["params"], out["verl"]["params"]
+        ),
         "load_checkpoint: weights": out["checkpoint"]["load_max_diff"],
         "delta": {k: v for k, v in out["delta"].items()},
     }
@@ -110,6 +113,13 @@ def test_offload_through_worker_to_round_trips(results: dict) -> None:
     assert offload["max_diff"] == 0.0
 
 
+def test_auto_offload_in_train_mode_gives_the_same_step(results: dict) -> None:
+    auto = results["auto_offload"]
+    assert all(auto["after_init"].values()) and all(auto["after_step"].values()), auto
+    assert auto["loss"] == results["verl"]["loss"]
+    assert _params_diff(auto["params"], results["verl"]["params"]) == 0.0
+
+
 def test_checkpoint_save_load_through_verl(results: dict) -> None:
     ckpt = results["checkpoint"]
     assert (
@@ -127,3 +137,61 @@ def test_delta_export_sends_only_changed_elements(results: dict) -> None:
     assert delta["rebuilt_max_diff"] == 0.0
     assert 0 < delta["changed_elements"] < delta["total_elements"]
     assert delta["idle_bytes"] == 0  # nothing moved since the last export: nothing sent
+
+
+def test_plugin_entry_point_selects_our_engine_with_one_variable() -> None:
+    """The installed ``verl.plugins`` entry point: plain ``import verl`` registers us; without the variable verl's
+    own Megatron engine is what ``megatron`` gets, with ``VERL_ENGINE_DEVICE=verl_engine`` ours."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    pytest.importorskip("verl.workers.engine_workers", reason="verl 0.9.1 is installed by `nox -s verl`")
+    points = {p.name: p.value for p in importlib.metadata.entry_points(group="verl.plugins")}
+    assert points.get("verl_engine") == "verl_engine.integrations.verl", points
+    # one process: verl reads VERL_ENGINE_DEVICE at every lookup
+    code = (
+        "import os, verl\n"
+        "from verl.workers.engine import EngineRegistry as R\n"
+        "def names(): return [R.get_engine_cls(t, 'megatron').__name__ for t in ('language_model', 'value_model')]\n"
+        "plain = names()\n"
+        "os.environ['VERL_ENGINE_DEVICE'] = 'verl_engine'\n"
+        "print(*plain, *names())\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_MODULES")
+    }
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = run.stdout.split()
+    names = {"": out[:2], "verl_engine": out[2:]}
+    assert names[""] == ["MegatronEngineWithLMHead", "MegatronEngineWithValueHead"], names
+    assert names["verl_engine"] == ["VerlEngine", "VerlValueEngine"], names
+
+
+@pytest.mark.parametrize(
+    ("engine_kw", "model_kw", "key"),
+    [
+        ({"pipeline_model_parallel_size": 2}, {}, "pipeline_model_parallel_size"),
+        ({"full_determinism": True}, {}, "full_determinism"),
+        ({}, {"lora_rank": 8}, "lora"),
+    ],
+)
+def test_unsupported_verl_settings_are_refused_naming_the_key(
+    tmp_path, engine_kw: dict, model_kw: dict, key: str
+) -> None:
+    pytest.importorskip("verl.workers.engine_workers", reason="verl 0.9.1 is installed by `nox -s verl`")
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+
+    from verl_engine.integrations.verl.configs import build_args
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    model_dir = str(save_tiny_hf_model("qwen2", tmp_path / "model", seed=3))
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, **model_kw)
+    engine = McoreEngineConfig(micro_batch_size_per_gpu=2, **engine_kw)
+    with pytest.raises(ValueError, match=key):
+        build_args(
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=McoreOptimizerConfig(lr=1e-3),
+            value_model=False,
+        )

@@ -63,7 +63,7 @@ def no_padding(batch: dict[str, torch.Tensor], **scalars: Any) -> Any:
     return td
 
 
-def verl_configs(model_dir: str, *, role: str) -> tuple[Any, Any, Any, Any]:
+def verl_configs(model_dir: str, *, role: str, offload: bool = False) -> tuple[Any, Any, Any, Any]:
     """verl's four per-role config objects, as its trainer builds them for ``model_engine=megatron``."""
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.config import McoreCheckpointConfig as Ckpt
@@ -76,17 +76,20 @@ def verl_configs(model_dir: str, *, role: str) -> tuple[Any, Any, Any, Any]:
         infer_max_token_len_per_gpu=4096,
         forward_only=role == "ref",
         override_transformer_config=dict(YAML_TRANSFORMER),
+        param_offload=offload,
+        optimizer_offload=offload,
     )
     optim = None if role == "ref" else McoreOptimizerConfig(**OPTIM)
     return model, engine, optim, Ckpt()
 
 
-def verl_worker(model_dir: str, *, role: str) -> Any:
-    """verl's TrainingWorker for ``role`` (actor / ref / critic) over our engine, initialised."""
+def verl_worker(model_dir: str, *, role: str, offload: bool = False) -> Any:
+    """verl's TrainingWorker for ``role`` (actor / ref / critic) over our engine, initialised; ``offload``: the
+    engine config's param_offload and optimizer_offload."""
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
 
-    model, engine, optim, ckpt = verl_configs(model_dir, role=role)
+    model, engine, optim, ckpt = verl_configs(model_dir, role=role, offload=offload)
     config = TrainingWorkerConfig(
         model_type="value_model" if role == "critic" else "language_model",
         model_config=model,
@@ -205,11 +208,35 @@ def verl_drives_engine(
         "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
         "params": params_of(actor.engine.engine),
     }
+    out["auto_offload"] = auto_offload_step(model_dir, batch, scalars)
     out["offload"] = offload_roundtrip(actor, batch, scalars)
     out["delta"] = delta_export(actor, batch, scalars)
     out["checkpoint"] = checkpoint_roundtrip(actor, batch, scalars, ckpt_dir)
     out["critic"] = critic_step(model_dir, batch)
     return out
+
+
+def auto_offload_step(
+    model_dir: str, batch: dict[str, torch.Tensor], scalars: dict[str, Any]
+) -> dict[str, Any]:
+    """param_offload + optimizer_offload: offloaded after initialize, brought in by train_mode (verl's
+    BaseEngineCtx) for the step and offloaded again on exit; the step is the same as without offload."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+
+    actor = verl_worker(model_dir, role="actor", offload=True)
+    after_init = dict(actor.engine._offloaded)
+    actor.set_loss_fn(partial(verl_ppo_loss, config=verl_actor_config()))
+    result = actor.train_batch(no_padding(batch, **scalars))
+    after_step = dict(actor.engine._offloaded)
+    actor.to("device")  # bring the weights in to read them
+    metrics = tu.get(result, "metrics") if result is not None else {}
+    return {
+        "after_init": after_init,
+        "after_step": after_step,
+        "loss": metrics.get("loss"),
+        "params": params_of(actor.engine.engine),
+    }
 
 
 def _log_probs(worker: Any, batch: dict[str, torch.Tensor], scalars: dict[str, Any]) -> torch.Tensor:
