@@ -8,6 +8,7 @@
     uv run nox -s release            # release tooling tests, incl. publishing to a local index (in CI)
     uv run nox -s bump -- --package verl-config --version 0.1.0   # then commit pyproject files + uv.lock
     uv run nox -s docs               # the docs site: mkdocs build --strict into site/
+    uv run nox -s verl               # verl 0.9.1's TrainingWorker drives verl-engine (CPU), with verl's own pins
 
 Each test session installs the workspace from uv.lock (uv sync --frozen) into its own virtualenv and
 then overrides megatron-core (and what an old release needs, e.g. numpy<2 for 0.14 / 0.15).
@@ -34,6 +35,9 @@ PACKAGES = ["verl-config", "verl-mcore-utils", "verl-dyncp", "verl-mfsdp", "verl
 # The verl release our losses are compared with (`verl_reference` tests): its wheel without dependencies, plus the
 # two small modules importing its core_algos needs beyond our test environment.
 VERL_REFERENCE = ["verl==0.9.1", "codetiming", "orjson"]
+# What verl 0.9.1's TrainingWorker imports beyond its declared dependencies (verl/workers/rollout/utils.py), for the
+# `verl` session; verl itself and everything it pins come from uv.lock's verl fork (extra verl-engine[verl]).
+VERL_WORKER_IMPORTS = ["fastapi", "uvicorn"]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -91,7 +95,17 @@ def docs(session: nox.Session) -> None:
 )
 def tests(session: nox.Session, mcore: str) -> None:
     """Every package's tests and the cross-package tests against one megatron-core release."""
-    _sync(session, "--all-packages", "--all-extras", "--no-default-groups", "--group", "test")
+    # the verl extra is locked in a fork of its own (tensordict<=0.10, transformers<5.11): the `verl` session's
+    _sync(
+        session,
+        "--all-packages",
+        "--all-extras",
+        "--no-extra",
+        "verl",
+        "--no-default-groups",
+        "--group",
+        "test",
+    )
     session.install(f"megatron-core=={mcore}", *EXTRA_PINS.get(mcore, []))
     session.run(
         "python", "-c", f"import importlib.metadata as m; assert m.version('megatron-core') == '{mcore}'"
@@ -105,15 +119,40 @@ def tests(session: nox.Session, mcore: str) -> None:
     if newest:
         session.install("--no-deps", *VERL_REFERENCE)
     marks = (
-        "not gpu and not release"
+        "not gpu and not release and not verl_backend"
         if newest
-        else "not gpu and not above_engine and not release and not verl_reference"
+        else "not gpu and not above_engine and not release and not verl_reference and not verl_backend"
     )
     for pkg in PACKAGES:
         tests_dir = f"packages/{pkg}/tests"
         if any(f.startswith("test_") for f in os.listdir(tests_dir)):
             _pytest(session, tests_dir, f"{pkg}-mcore{mcore}", marks=marks)
     _pytest(session, "tests", f"cross-mcore{mcore}", marks=marks)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def verl(session: nox.Session) -> None:
+    """verl 0.9.1's own TrainingWorker drives verl-engine on CPU (`verl_backend` tests), newest megatron-core.
+
+    Installed as a user gets it: verl-engine[verl] from uv.lock's verl fork, so verl 0.9.1 with its dependencies and
+    its pins (tensordict 0.10.0, transformers 5.10.x), not the test environment's newer ones. Junit files go to
+    .nox/junit/verl/ (the compatibility page's columns are the `tests` sessions).
+    """
+    _sync(
+        session,
+        "--all-packages",
+        "--extra",
+        "verl",
+        "--extra",
+        "ray",
+        "--no-default-groups",
+        "--group",
+        "test",
+    )
+    session.install(f"megatron-core=={MCORE_VERSIONS[-1]}", *VERL_WORKER_IMPORTS)
+    session.run("python", "-c", "import importlib.metadata as m; assert m.version('verl') == '0.9.1'")
+    os.makedirs(os.path.join(".nox", "junit", "verl"), exist_ok=True)
+    _pytest(session, "tests", os.path.join("verl", "cross"), marks="verl_backend and not gpu")
 
 
 @nox.session(python=PYTHON, venv_backend="none")

@@ -100,6 +100,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "verl-engine",
+        "verl 0.9.1's TrainingWorker drives the engine (verl backend, nox -s verl)",
+        ("test_verl_backend_cpu",),
+    ),
+    (
+        "verl-engine",
         "every verl 0.9.1 engine key honoured, refused at build or not the engine's",
         ("test_config_support",),
     ),

@@ -86,13 +86,15 @@ def build_rl_engine(
     mtp: Any | None = None,
     lora: Any | None = None,
     fused_lm_head: bool = False,
+    engine_class: type[RLEngine] = RLEngine,
 ) -> RLEngine:
     """Build one role's engine from a megatron engine section (verl-config's ``McoreEngineConfig``).
 
     ``optim`` (``McoreOptimConfig`` or the SFT section) None = forward only. ``hf_config`` replaces reading
     ``model_path``'s config; weights load from ``model_path`` when given. megatron-core's parallel state is
     initialised here if it is not yet (CP runs in verl-dyncp's groups). ``mtp``: ``MtpConfig`` or None; ``lora``:
-    the model's ``LoraConfig``; ``fused_lm_head``: ``model.use_fused_kernels``.
+    the model's ``LoraConfig``; ``fused_lm_head``: ``model.use_fused_kernels``; ``engine_class``: an
+    :class:`RLEngine` subclass a trainer adapter uses to speak its trainer's loss convention.
     """
     model = _model_config(
         engine=engine,
@@ -130,6 +132,7 @@ def build_rl_engine(
         device=device,
         fused_lm_head=fused_lm_head,
         mtp=mtp if trains and model.mtp_layers and mtp.enable_train else None,
+        engine_class=engine_class,
     )
 
 
@@ -311,6 +314,7 @@ def _assemble(
     device: torch.device,
     fused_lm_head: bool,
     mtp: Any | None,
+    engine_class: type[RLEngine] = RLEngine,
 ) -> RLEngine:
     from megatron.core import parallel_state
 
@@ -318,7 +322,7 @@ def _assemble(
     from verl_engine.pipeline import PipelineLayout
 
     trains = optimizer is not None
-    return RLEngine(
+    return engine_class(
         model=chunks,
         optimizer=optimizer,
         backend=backend,

@@ -55,6 +55,8 @@ class _Call:
     mtp_counts: list[int] = dataclasses.field(default_factory=list)
     per_seq: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     metrics: MetricAccumulator = dataclasses.field(default_factory=MetricAccumulator)
+    # per micro-batch (loss, metrics) as a trainer adapter keeps them (verl_engine.integrations.verl)
+    records: list[Any] = dataclasses.field(default_factory=list)
 
 
 class RLEngine(ModelForward, WeightExport, Closeable):
@@ -396,12 +398,28 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         self._keep_outputs(batch, mb, merged, call.per_seq)
         if call.loss_function is None:
             return None
+        loss, metrics = self._call_loss(call, mb, merged)
+        self._record(call, loss, metrics)
+        return loss if mtp_term is None else loss + mtp_term
+
+    def _call_loss(
+        self, call: _Call, mb: PlannedMicroBatch, merged: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        """The loss of one micro-batch, in our convention: response-aligned ``[mb, R]`` outputs and the rows of
+        the micro-batch. A trainer adapter with another convention overrides this (verl_engine.integrations)."""
+        batch = call.batch
         loss_data = batch.rows(call.data, mb.indices, device=self.device) | call.scalars
         model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
-        loss, metrics = call.loss_function(model_output=model_output, data=loss_data, dp_group=None)
+        return call.loss_function(model_output=model_output, data=loss_data, dp_group=None)
+
+    def _record(self, call: _Call, loss: torch.Tensor, metrics: Mapping[str, Any]) -> None:
+        """Keep one micro-batch's loss and metrics on the device until the call ends."""
         call.metrics.add_loss(loss)
         call.metrics.add(metrics)
-        return loss if mtp_term is None else loss + mtp_term
+
+    def _summary(self, call: _Call) -> tuple[Any, Any]:
+        """(loss, metrics) of the call on the last stage: ours reduce to floats (see :mod:`verl_engine.metrics`)."""
+        return call.metrics.reduce(pool_size=self.pool_size)
 
     def _finish_call(self, call: _Call) -> dict[str, Any]:
         """The step's reduction (one host read) on the last stage, shared with every stage; outputs in the
@@ -411,7 +429,7 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         extra: Any = None
         if self.pipeline.is_last_stage:
             flat = {key: torch.cat(values) for key, values in call.per_seq.items()}
-            loss_total, summary = call.metrics.reduce(pool_size=self.pool_size)
+            loss_total, summary = self._summary(call)
             # every last-stage rank joins the pool's MTP reduction (see verl_engine.mtp)
             if call.tracker is not None:
                 summary.update(call.tracker.reduce(group=self.cp_groups.full_group))
