@@ -5,7 +5,8 @@ Ray) for the actor (verl's ``ppo_loss``: PPO clip + entropy + KL), the reference
 (``value_loss``); it finds our engine through verl's ``EngineRegistry`` with ``VERL_ENGINE_DEVICE=verl_engine``.
 Each number is compared with our engine driven directly with our own losses: loss, grad norm, every metric and
 every updated weight within 1e-6. Also: offload through ``TrainingWorker.to``, checkpoints through verl's save /
-load (``max_ckpt_to_keep``, a refused ``hdfs_path``) and the delta weight export after one step.
+load (``max_ckpt_to_keep``, a refused ``hdfs_path``), the delta weight export after one step, and an actor with
+LoRA (one step, verl's adapter-only / base weight sync, ``no_lora_adapter`` reference log-probs).
 The CPU patches are test-only (tests/verl_cpu_platform.py); ``VERL_BACKEND_OUT=path`` writes the numbers as JSON
 (docs/verl.md's table).
 """
@@ -139,6 +140,52 @@ def test_delta_export_sends_only_changed_elements(results: dict) -> None:
     assert delta["idle_bytes"] == 0  # nothing moved since the last export: nothing sent
 
 
+@pytest.fixture(scope="module")
+def lora_results(tmp_path_factory) -> dict:
+    """One 2-rank run of verl's TrainingWorker over a LoRA actor (rank 4) and of our engine directly."""
+    pytest.importorskip("verl.workers.engine_workers", reason="verl 0.9.1 is installed by `nox -s verl`")
+    pytest.importorskip("peft")
+    from verl_backend_lora_workers import verl_drives_lora
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+    from verl_mcore_utils.testing import run_distributed
+
+    model_dir = str(save_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2_lora") / "model", seed=3))
+    batch = verl_batch(seed=0, prompt_lens=[3, 6, 1, 5], response_lens=[7, 2, 5, 4])
+    return run_distributed(verl_drives_lora, world_size=2, args=(model_dir, batch), fresh=True)[0]
+
+
+def test_lora_actor_ppo_step_equals_the_direct_engine(lora_results: dict) -> None:
+    direct, verl = lora_results["direct"], lora_results["verl"]
+    assert verl["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in verl["trainable"])
+    assert abs(direct["loss"] - verl["loss"]) <= TOL * max(1.0, abs(direct["loss"]))
+    diffs = _metric_diffs(direct["metrics"], verl["metrics"])
+    assert {"actor/pg_loss", "actor/kl_loss", "grad_norm"} <= diffs.keys()
+    assert max(diffs.values()) <= TOL, diffs
+    assert _params_diff(direct["params"], verl["params"]) <= TOL
+
+
+def test_lora_weight_sync_adapter_only_and_base(lora_results: dict) -> None:
+    """verl's naive sync: base_sync_done=True gives exactly the adapter tensors (PEFT names) and the PEFT config
+    with peft enum members; base_sync_done=False the base weights (equal to a model without LoRA)."""
+    adapter, base = lora_results["adapter"], lora_results["base"]
+    assert adapter["names"] == adapter["direct_names"] and adapter["names"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in adapter["names"])
+    assert adapter["max_diff"] <= TOL
+    peft = adapter["peft"]
+    assert peft["peft_type"] == ("peft.utils.peft_types", "LORA"), peft
+    assert peft["task_type"] == ("peft.utils.peft_types", "CAUSAL_LM"), peft
+    assert peft["r"] == 4 and peft["lora_alpha"] == 8
+    assert adapter["base_peft_same"]
+    assert base["names_match"] and base["max_diff"] == 0.0
+
+
+def test_lora_no_adapter_infer_equals_the_base_model(lora_results: dict) -> None:
+    got = lora_results["no_lora_adapter"]
+    assert got["max_diff"] <= TOL, got
+    assert got["adapter_moves"] > 1e-4, got  # the trained adapter changes the policy
+
+
 def test_plugin_entry_point_selects_our_engine_with_one_variable() -> None:
     """The installed ``verl.plugins`` entry point: plain ``import verl`` registers us; without the variable verl's
     own Megatron engine is what ``megatron`` gets, with ``VERL_ENGINE_DEVICE=verl_engine`` ours."""
@@ -173,7 +220,12 @@ def test_plugin_entry_point_selects_our_engine_with_one_variable() -> None:
     [
         ({"pipeline_model_parallel_size": 2}, {}, "pipeline_model_parallel_size"),
         ({"full_determinism": True}, {}, "full_determinism"),
-        ({}, {"lora_rank": 8}, "lora"),
+        ({}, {"lora": {"rank": 4, "type": "dora"}}, "model.lora.type"),
+        ({}, {"lora": {"rank": 4, "a2a_experimental": True}}, "model.lora.a2a_experimental"),
+        ({}, {"lora": {"rank": 4, "no_such_key": 1}}, "model.lora.no_such_key"),
+        ({}, {"lora": {"rank": 4, "target_modules": ["q_proj"]}}, "model.lora.target_modules"),
+        ({}, {"lora_rank": 4, "lora": {"rank": 4}}, "model.lora_rank"),
+        ({}, {"lora_rank": 4, "target_parameters": ["x"]}, "model.target_parameters"),
     ],
 )
 def test_unsupported_verl_settings_are_refused_naming_the_key(

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verl_engine.integrations.verl.lora_config import lora_config
+
 __all__ = ["BuildArgs", "build_args"]
 
 # verl-only engine keys and why they need no translation
@@ -41,6 +43,7 @@ class BuildArgs:
     fused_lm_head: bool
     value_model: bool
     total_training_steps: int | None
+    lora: Any | None = None
 
 
 def build_args(
@@ -53,6 +56,8 @@ def build_args(
     problems: list[str] = []
     problems += _refusals_engine(engine_config)
     problems += _refusals_model(model_config, value_model=value_model)
+    lora, lora_problems = lora_config(model_config)
+    problems += lora_problems
     optim = None
     if optimizer_config is not None and not engine_config.forward_only:
         problems += _refusals_optim(optimizer_config)
@@ -71,6 +76,7 @@ def build_args(
         fused_lm_head=bool(getattr(model_config, "use_fused_kernels", False)) and not value_model,
         value_model=value_model,
         total_training_steps=steps if steps and steps > 0 else None,
+        lora=lora,
     )
 
 
@@ -94,13 +100,6 @@ def _refusals_engine(cfg: Any) -> list[str]:
 
 def _refusals_model(cfg: Any, *, value_model: bool) -> list[str]:
     out = []
-    lora = _plain(getattr(cfg, "lora", None) or {})
-    rank = max(int(getattr(cfg, "lora_rank", 0) or 0), int(lora.get("rank", 0) or 0))
-    if rank > 0:
-        out.append(
-            f"model.lora rank {rank}: LoRA is not wired through the verl backend yet; use lora_rank=0, or drive"
-            " verl-engine directly (verl_engine.build.rl_engine_from_config supports LoRA)"
-        )
     mtp = getattr(cfg, "mtp", None)
     if mtp is not None and getattr(mtp, "enable", False) and not value_model:
         out.append(

@@ -81,6 +81,7 @@ class VerlEngine(VerlWeightSync, BaseEngine):
             override_model_config=args.override_model_config,
             total_training_steps=args.total_training_steps,
             fused_lm_head=args.fused_lm_head,
+            lora=args.lora,
             engine_class=VerlConventionEngine,
         )
         engine.verl_dp_group = self._dp_group
@@ -182,6 +183,8 @@ class VerlEngine(VerlWeightSync, BaseEngine):
         return engine.forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     def disable_adapter(self) -> contextlib.AbstractContextManager[None]:
+        """The actor without its LoRA adapter (verl's ``no_lora_adapter`` batch key: the reference log-probs of
+        a LoRA actor); without LoRA the model is the base model and this does nothing."""
         return self._built.disable_adapter()
 
     # ------------------------------------------------------------------------------ checkpoints

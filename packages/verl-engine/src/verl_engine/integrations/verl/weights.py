@@ -19,7 +19,7 @@ __all__ = ["VerlWeightSync"]
 # keyword arguments verl 0.9.1's callers pass to the export methods, and why each needs no action here
 _EXPORT_KWARGS = {
     "layered_summon": "an FSDP memory hint (summon one layer at a time); our export gathers one tensor at a time",
-    "base_sync_done": "selects the adapter-only sync with LoRA; LoRA is refused by this backend",
+    "base_sync_done": "with LoRA (lora.merge=false): True = the adapter only, False = the base weights",
 }
 
 
@@ -28,11 +28,27 @@ class VerlWeightSync:
 
     _built: Any
 
-    def get_per_tensor_param(self, **kwargs: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
-        """``((hf_name, tensor) generator, peft_config)``: every weight under its Hugging Face name (a collective
-        over TP / PP: every rank iterates to the end)."""
+    def get_per_tensor_param(
+        self, *, base_sync_done: bool = False, **kwargs: Any
+    ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
+        """``((hf_name, tensor) generator, peft_config)`` as verl's Megatron engine (a collective over TP / PP:
+        every rank iterates to the end).
+
+        Without LoRA, or with ``lora.merge=true``: every weight under its Hugging Face name (the adapter merged
+        in), peft_config None. With ``lora.merge=false`` the rollout serves base + adapter: ``base_sync_done=True``
+        yields the adapter tensors only (PEFT names), ``False`` the frozen base weights (HF names, no adapter
+        merged: what the rollout loads once before the adapters); both return the PEFT config (``peft_type`` /
+        ``task_type`` peft enum members, as ``verl.utils.megatron_peft_utils.build_peft_config_for_vllm``).
+        """
         _check_kwargs(kwargs, "get_per_tensor_param")
-        return self._built.get_per_tensor_param()
+        engine = self._built
+        if engine.lora is None or engine.lora.merge:
+            return engine.get_per_tensor_param()
+        config = _peft_enums(engine.peft_config())
+        if base_sync_done:
+            pairs, _ = engine.get_per_tensor_param(lora_mode="adapter")
+            return pairs, config
+        return _base_weights(engine), config
 
     def get_per_tensor_param_shard(
         self, **kwargs: Any
@@ -41,6 +57,12 @@ class VerlWeightSync:
         from verl.workers.engine.spec import ShardSpec
 
         _check_kwargs(kwargs, "get_per_tensor_param_shard")
+        lora = self._built.lora
+        if lora is not None and not lora.merge:
+            raise NotImplementedError(
+                "the sharded / delta weight export with an unmerged LoRA adapter (model.lora.merge=false) is not"
+                " implemented by verl-engine's verl backend; set model.lora.merge=true or use the naive sync"
+            )
         pairs, _ = self._built.get_per_tensor_param()
 
         def shards() -> Iterator[tuple[str, torch.Tensor, Any]]:
@@ -64,6 +86,26 @@ class VerlWeightSync:
             )
         gen, _ = self.get_per_tensor_param_shard()
         return hf_delta_export(gen, snaps, _hf_entry_identity), None
+
+
+def _base_weights(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's weights (LoRA layers swapped for their base linears while the generator runs)."""
+    from verl_mcore_utils.lora import without_adapters
+    from verl_mcore_utils.weights import export_hf_weights
+
+    with without_adapters(engine.chunks):
+        for name, tensor in export_hf_weights(engine.chunks, hf_config=engine.hf_config):
+            yield name, tensor.detach().clone()
+
+
+def _peft_enums(config: dict[str, Any]) -> dict[str, Any]:
+    """Our PEFT config with ``peft_type`` / ``task_type`` as peft's enum members (verl's rollouts expect them)."""
+    from peft import PeftType, TaskType
+
+    out = dict(config)
+    out["peft_type"] = PeftType(out.get("peft_type", "LORA"))
+    out["task_type"] = TaskType(out.get("task_type", "CAUSAL_LM"))
+    return out
 
 
 def _check_kwargs(kwargs: dict[str, Any], call: str) -> None:
