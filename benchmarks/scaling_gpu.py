@@ -124,7 +124,7 @@ def main() -> None:
     numbers = {
         "gpus": world,
         "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": replicas},
-        "engine": engine.describe() if hasattr(engine, "describe") else None,
+        "engine": engine.describe(),
         "sequences_per_step": sequences,
         "tokens_per_step": tokens,
         "seconds_per_step": seconds,
