@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 SHAPES = {  # Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
@@ -97,6 +98,17 @@ def synced(fn):
     out = fn()
     torch.cuda.synchronize()
     return out, time.perf_counter() - t
+
+
+def slowest_rank_seconds(*, seconds: float, device: torch.device | str = "cuda") -> float:
+    """The largest of every rank's ``seconds`` (an all-reduce MAX on ``device``, in float64).
+
+    A distributed step is as slow as its slowest rank (the others wait for it in the next collective), so a
+    time reported for the step is the slowest rank's, not rank 0's own.
+    """
+    t = torch.tensor([seconds], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def train_step(engine, loss_fn, data, optimizer_s: list[float]):

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _common import StepProfile
+from _common import StepProfile, slowest_rank_seconds
 from _record import update_target, write_record
 
 LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192")
@@ -154,13 +154,12 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             engine.train_batch(batch, sft_loss)
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    t = torch.tensor([sum(step_times)], device=device, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock: a step ends when all ranks end
+    slowest = slowest_rank_seconds(seconds=sum(step_times), device=device)
     result = {
         "layout": engine.cp_layout.describe(),
         "attention": cfg.megatron.packed_attention_backend,
-        "tokens_per_s": sum(real_tokens) / float(t.item()),
-        "step_time_s_mean": float(t.item()) / len(step_times),
+        "tokens_per_s": sum(real_tokens) / slowest,
+        "step_time_s_mean": slowest / len(step_times),
         "step_times_s_rank0": step_times,
         "peak_memory_gib": float(peak.item()),
         "losses": losses,

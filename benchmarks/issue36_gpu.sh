@@ -13,11 +13,7 @@ cd "$(dirname "$0")"
 RUN=(python3 -m torch.distributed.run --standalone)
 S=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1)
 mkdir -p "$OUT/results"
-go() {  # one run under a time limit; its record (and targets.json) copied to OUT at once
-  local limit=$1 name=$2; shift 2; echo "== $name $(date +%T)"
-  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -3
-  cp "results/$name.json" results/targets.json "$OUT/results/" 2>/dev/null
-}
+. ./_go.sh  # go LIMIT NAME CMD...
 go 100 scaling_1.5b_dp1_$TAG "${RUN[@]}" --nproc-per-node 1 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \
   --out results/scaling_1.5b_dp1_$TAG.json
 go 100 scaling_1.5b_dp2_$TAG "${RUN[@]}" --nproc-per-node 2 scaling_gpu.py "${S[@]}" --seqs-per-replica 16 \

@@ -11,11 +11,8 @@ TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
 cd "$(dirname "$0")"
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 4)
 mkdir -p "$OUT/results"
-go() {  # one run under a time limit; its record (and targets.json) copied to OUT at once
-  local limit=$1 name=$2; shift 2; echo "== $name $(date +%T)"
-  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-400 | tail -3
-  cp "results/$name.json" results/targets.json "$OUT/results/" 2>/dev/null
-}
+. ./_go.sh  # go LIMIT NAME CMD...
+go_filter() { grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-400 | tail -3; }  # JSON records and errors only
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING timeout 90 "${RUN[@]}" nccl_bandwidth_gpu.py \
   --out "results/nccl_bandwidth_$TAG.json" > "$OUT/results/nccl_bandwidth_$TAG.log" 2>&1
 cp "results/nccl_bandwidth_$TAG.json" "$OUT/results/" 2>/dev/null

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import slowest_rank_seconds
 from _record import write_record
 
 SIZES_MIB = (1, 4, 16, 64, 96, 256, 1024)
@@ -44,9 +45,7 @@ def timed(fn, *, iters: int) -> float:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return slowest_rank_seconds(seconds=statistics.median(times))
 
 
 def main() -> None:

@@ -38,14 +38,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import PEAK_BF16_TFLOPS, SHAPES, StepProfile, build, flops_per_sequence, make_batch
+from _common import (
+    PEAK_BF16_TFLOPS,
+    SHAPES,
+    StepProfile,
+    build,
+    flops_per_sequence,
+    make_batch,
+    slowest_rank_seconds,
+)
 from _record import update_target, write_record
-
-
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def main() -> None:
@@ -109,7 +111,7 @@ def main() -> None:
             start = time.perf_counter()
             out = engine.train_batch(batch, loss_fn)
             torch.cuda.synchronize()
-            elapsed = slowest(time.perf_counter() - start)
+            elapsed = slowest_rank_seconds(seconds=time.perf_counter() - start)
             losses.append(float(out["loss"]))
             if step >= args.warmup:
                 times.append(elapsed)
@@ -122,7 +124,7 @@ def main() -> None:
     numbers = {
         "gpus": world,
         "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": replicas},
-        "engine": engine.describe() if hasattr(engine, "describe") else None,
+        "engine": engine.describe(),
         "sequences_per_step": sequences,
         "tokens_per_step": tokens,
         "seconds_per_step": seconds,

@@ -316,10 +316,10 @@ def mtp_step_layouts(
                 {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
             )
             grads = {
-                _global_name(gpt, n): engine.backend.gradient(p).detach().float().cpu().clone()
+                _global_name(gpt, n): grad.detach().float().cpu().clone()
                 for gpt in map(unwrap_model, engine.chunks)
                 for n, p in gpt.named_parameters()
-                if engine.backend.gradient(p) is not None
+                if (grad := engine.backend.gradient(p)) is not None
             }
         out.append(
             {"loss": result["loss"], "metrics": result["metrics"], "grads": grads, "reference": reference}

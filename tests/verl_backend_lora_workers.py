@@ -18,11 +18,11 @@ from verl_backend_workers import (
     OPTIM,
     YAML_TRANSFORMER,
     _log_probs,
-    flat_metrics,
     no_padding,
     params_of,
     setup,
     verl_actor_config,
+    verl_step_result,
     verl_worker,
 )
 
@@ -83,7 +83,6 @@ def verl_drives_lora(
     rank: int, world_size: int, model_dir: str, batch: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     setup()
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 
     from verl_engine.losses import ppo_loss
@@ -101,12 +100,8 @@ def verl_drives_lora(
     }
     actor = lora_actor(model_dir)
     actor.set_loss_fn(partial(verl_ppo_loss, config=verl_actor_config()))
-    result = actor.train_batch(no_padding(batch, **scalars))
-    metrics = tu.get(result, "metrics") if result is not None else {}
     out["verl"] = {
-        "loss": metrics.get("loss"),
-        "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
-        "params": params_of(actor.engine.engine),
+        **verl_step_result(actor, actor.train_batch(no_padding(batch, **scalars))),
         "trainable": sorted(n for n, p in actor.engine.engine.model.named_parameters() if p.requires_grad),
     }
     adapter, peft = _export(actor.engine, base_sync_done=True)

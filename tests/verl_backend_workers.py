@@ -158,6 +158,19 @@ def flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def verl_step_result(worker: Any, result: Any) -> dict[str, Any]:
+    """The "verl" side of a step: the loss, the flat metrics (all but the loss) and the parameters of ``worker``
+    (a TrainingWorker) after its ``train_batch`` returned ``result``."""
+    from verl.utils import tensordict_utils as tu
+
+    metrics = tu.get(result, "metrics") if result is not None else {}
+    return {
+        "loss": metrics.get("loss"),
+        "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
+        "params": params_of(worker.engine.engine),
+    }
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -201,13 +214,7 @@ def verl_drives_engine(
     out["direct"] = {"loss": res["loss"], "metrics": dict(res["metrics"]), "params": params_of(actor_direct)}
     actor = verl_worker(model_dir, role="actor")
     actor.set_loss_fn(partial(verl_ppo_loss, config=verl_actor_config()))
-    result = actor.train_batch(no_padding(batch, **scalars))
-    metrics = tu.get(result, "metrics") if result is not None else {}
-    out["verl"] = {
-        "loss": metrics.get("loss"),
-        "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
-        "params": params_of(actor.engine.engine),
-    }
+    out["verl"] = verl_step_result(actor, actor.train_batch(no_padding(batch, **scalars)))
     out["auto_offload"] = auto_offload_step(model_dir, batch, scalars)
     out["offload"] = offload_roundtrip(actor, batch, scalars)
     out["delta"] = delta_export(actor, batch, scalars)
@@ -360,16 +367,11 @@ def critic_step(model_dir: str, batch: dict[str, torch.Tensor]) -> dict[str, Any
     critic = verl_worker(model_dir, role="critic")
     values = critic.infer_batch(no_padding(batch, compute_loss=False, **scalars))
     critic.set_loss_fn(partial(verl_value_loss, config=verl_critic_config()))
-    result = critic.train_batch(no_padding(batch, **scalars))
-    metrics = tu.get(result, "metrics") if result is not None else {}
+    verl = verl_step_result(critic, critic.train_batch(no_padding(batch, **scalars)))
     return {
         "values_diff": jagged_vs_padded(tu.get(values, "values"), values_direct, batch["attention_mask"])
         if values is not None
         else 0.0,
         "direct": {"loss": res["loss"], "metrics": dict(res["metrics"]), "params": params_of(direct)},
-        "verl": {
-            "loss": metrics.get("loss"),
-            "metrics": flat_metrics({k: v for k, v in metrics.items() if k != "loss"}),
-            "params": params_of(critic.engine.engine),
-        },
+        "verl": verl,
     }

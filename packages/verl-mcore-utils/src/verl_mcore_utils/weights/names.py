@@ -159,10 +159,21 @@ def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> l
                 tp_dim,
             )
         )
-    for expert in range(dims.num_experts) if dims.num_experts else ():
-        for meg, hf, fusion, tp_dim in _MOE_TABLE:
-            if "{e}" not in meg and expert:
-                continue  # the router: once per layer
+    if not dims.num_experts:
+        return out
+    router = [row for row in _MOE_TABLE if "{e}" not in row[0]]  # once per layer
+    per_expert = [row for row in _MOE_TABLE if "{e}" in row[0]]
+    for meg, hf, fusion, tp_dim in router:
+        out.append(
+            ParamMapping(
+                f"decoder.layers.{layer}.{meg}",
+                tuple(f"model.layers.{layer}.{h}" for h in hf),
+                fusion,
+                tp_dim,
+            )
+        )
+    for expert in range(dims.num_experts):
+        for meg, hf, fusion, tp_dim in per_expert:
             out.append(
                 ParamMapping(
                     f"decoder.layers.{layer}.{meg.format(e=expert)}",
