@@ -20,6 +20,12 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in unwrap_model(engine.model).named_parameters()}
 
 
+def _count(tokens: list[int], module: Any, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the tokens of one model forward (one micro-batch)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    tokens.append(int(ids.numel()))
+
+
 def ref_micro_batches(
     rank: int, world_size: int, model_dir: str, layouts: list[list[str]], batch: dict[str, Any]
 ) -> list[dict[str, Any]]:
@@ -29,12 +35,7 @@ def ref_micro_batches(
     for overrides in layouts:
         engine, _ = _engine(overrides, "ref", model_dir, "cpu")
         tokens: list[int] = []
-
-        def count(module: Any, args: tuple, kwargs: dict) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            tokens.append(int(ids.numel()))
-
-        handle = engine.chunks[0].register_forward_pre_hook(count, with_kwargs=True)
+        handle = engine.chunks[0].register_forward_pre_hook(partial(_count, tokens), with_kwargs=True)
         with engine.eval_mode():
             result = engine.infer_batch({**batch, "calculate_entropy": True})
         handle.remove()
@@ -44,7 +45,11 @@ def ref_micro_batches(
                 "tokens": tokens,
                 "log_probs": result["model_output"]["log_probs"].float().cpu(),
                 "entropy": result["model_output"]["entropy"].float().cpu(),
-                "setting": (micro.use_dynamic_bsz, micro.max_token_len_per_gpu, micro.micro_batch_size_per_gpu),
+                "setting": (
+                    micro.use_dynamic_bsz,
+                    micro.max_token_len_per_gpu,
+                    micro.micro_batch_size_per_gpu,
+                ),
             }
         )
     return out

@@ -62,7 +62,9 @@ def test_ref_log_prob_micro_batching_splits_the_reference_call(model_dir: str, b
         zip(
             layouts,
             run_distributed(
-                ref_micro_batches, world_size=1, args=(model_dir, [[*ONE, *v] for v in layouts.values()], batch)
+                ref_micro_batches,
+                world_size=1,
+                args=(model_dir, [[*ONE, *v] for v in layouts.values()], batch),
             )[0],
             strict=True,
         )
@@ -121,9 +123,13 @@ def test_megatron_seed_initialises_the_critic_value_head(model_dir: str, batch: 
 
 
 @pytest.mark.parametrize(("role", "section"), [("actor", AM), ("critic", CM)])
-def test_megatron_forward_only_builds_no_optimizer(model_dir: str, batch: dict, role: str, section: str) -> None:
+def test_megatron_forward_only_builds_no_optimizer(
+    model_dir: str, batch: dict, role: str, section: str
+) -> None:
     layouts = [[*ONE, f"{section}.forward_only=false"], [*ONE, f"{section}.forward_only=true"]]
-    trains, frozen = run_distributed(forward_only_engines, world_size=1, args=(model_dir, role, layouts, batch))[0]
+    trains, frozen = run_distributed(
+        forward_only_engines, world_size=1, args=(model_dir, role, layouts, batch)
+    )[0]
     assert trains["optimizer"] and trains["lr_schedule"] and trains["trainable"] > 0
     assert trains["train_error"] is None and trains["changed"]
     assert not frozen["optimizer"] and not frozen["lr_schedule"] and frozen["trainable"] == 0
