@@ -145,7 +145,7 @@ def test_critic_model_lora_builds_a_lora_critic(model_dir: str, batch: dict) -> 
     got = run_distributed(critic_lora_step, world_size=1, args=(model_dir, overrides, batch))[0]
     assert got["actor_lora_rank"] == 0 and got["lora"] == (4, 8.0)  # the critic's own block
     adapters = [n for n in got["trainable"] if ".lora_A." in n or ".lora_B." in n]
-    assert adapters and set(got["trainable"]) - set(adapters) <= {"output_layer.weight"}
+    assert adapters and set(got["trainable"]) - set(adapters) == {"output_layer.weight"}  # + the value head
     # target_modules: adapters on linear_qkv and linear_fc1 only
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapters} == {"linear_qkv", "linear_fc1"}
     assert len(got["all"]) > len(got["trainable"])  # the base model is there, frozen
