@@ -106,7 +106,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "verl-engine",
         "every verl 0.9.1 engine key honoured, refused at build or not the engine's",
-        ("test_config_support",),
+        ("test_config_support", "test_rl_engine_settings_cpu"),
     ),
     (
         "verl-engine",

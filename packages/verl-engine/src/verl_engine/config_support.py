@@ -102,6 +102,7 @@ _LR = "packages/verl-engine/tests/test_lr_schedule.py::test_megatron_hand_values
 _LR_TOTAL = "packages/verl-engine/tests/test_lr_schedule.py::test_warmup_and_total_resolution"
 _OPTIM_GROUPS = "tests/test_engine_optimizer.py::test_cpu_optimizer_groups_follow_megatron"
 _LORA = "tests/test_rl_engine_lora_cpu.py::test_lora_engine_surface"
+_SETTINGS = "tests/test_rl_engine_settings_cpu.py::"
 _MTP = "tests/test_rl_engine_mtp_cpu.py::test_mtp_loss_matches_reference_and_is_independent_of_dp_and_cp"
 _NO_MOE = "verl-engine builds dense models only (qwen2, qwen3, llama): no experts to place"
 _NO_QAT = "verl-engine has no quantisation-aware training; leave the qat sections at verl's defaults"
@@ -155,7 +156,8 @@ RULES: tuple[Rule, ...] = (
          evidence=("packages/verl-config/tests/test_ppo_config.py::test_deprecated_global_micro_batch_is_converted_with_a_note",),
          reason="verl-config turns the deprecated global size into log_prob_micro_batch_size_per_gpu when loading"),
     Rule(keys=("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
-         sections=(REF,), kind=_H, evidence=(),
+         sections=(REF,), kind=_H,
+         evidence=(_SETTINGS + "test_ref_log_prob_micro_batching_splits_the_reference_call",),
          reason="through the ref's megatron.use_dynamic_bsz / max_token_len_per_gpu / micro_batch_size_per_gpu"),
     Rule(keys=("forward_max_token_len_per_gpu",), sections=(CRITIC,), kind=_R,
          allowed=_forward_tokens_follow_ppo, supported="equal to critic.ppo_max_token_len_per_gpu",
@@ -284,8 +286,14 @@ RULES: tuple[Rule, ...] = (
     Rule(keys=("megatron.pad_to_length", "megatron.pad_to_length_bucket"), sections=_ROLES3, kind=_R,
          reason="the engine pads padded micro-batches to their longest sequence (no fixed-length buckets)",
          example=("megatron.pad_to_length=true",)),
-    Rule(keys=("megatron.seed",), sections=_ROLES3, kind=_H, evidence=(),
-         reason="torch.manual_seed before the model (and LoRA adapters) are initialised"),
+    Rule(keys=("megatron.seed",), sections=(ACTOR, REF), kind=_H,
+         evidence=(_SETTINGS + "test_megatron_seed_initialises_a_model_built_without_weights",),
+         reason="torch.manual_seed before the model (and LoRA adapters) are initialised: it sets what model.path"
+         " does not load (every weight of a model built from hf_config alone, the adapters)"),
+    Rule(keys=("megatron.seed",), sections=(CRITIC,), kind=_H,
+         evidence=(_SETTINGS + "test_megatron_seed_initialises_the_critic_value_head",),
+         reason="torch.manual_seed before the model (and LoRA adapters) are initialised: the value head (not in"
+         " model.path's weights) comes from it"),
     Rule(keys=("megatron.override_ddp_config",), sections=_ROLES3, kind=_H,
          evidence=("tests/test_config_to_mcore.py::test_engine_section_to_wrap_and_ddp_config",
                    "tests/test_gpu_construction.py::test_gradient_reduction_matches_the_setting")),
@@ -299,8 +307,13 @@ RULES: tuple[Rule, ...] = (
          reason="choose among verl's model-construction codes; verl-engine has one (its provider from config.json,"
          " weights from model.path's safetensors) and the model is the same"),
     Rule(keys=("megatron.use_remove_padding",), sections=_ROLES3, kind=_H, evidence=(_LOGPROBS,)),
-    Rule(keys=("megatron.forward_only",), sections=_ROLES3, kind=_H, evidence=(),
-         reason="forward_only=true builds no optimizer and freezes the parameters"),
+    Rule(keys=("megatron.forward_only",), sections=_TRAINS, kind=_H,
+         evidence=(_SETTINGS + "test_megatron_forward_only_builds_no_optimizer",),
+         reason="forward_only=true builds no optimizer or LR schedule, freezes the parameters and refuses"
+         " train_batch (as verl's engine and worker)"),
+    Rule(keys=("megatron.forward_only",), sections=(REF,), kind=_R, allowed=one_of(True), supported="true",
+         reason="the reference policy has no optim section: its engine is always forward only (verl's"
+         " megatron_ref.yaml sets true)", example=("megatron.forward_only=false",)),
     Rule(keys=("megatron.dtype",), sections=_ROLES3, kind=_H,
          evidence=("tests/test_gpu_engine.py::test_bf16_training_on_gpu_reduces_loss",),
          reason="the CPU debug backend always runs float32"),
@@ -360,8 +373,12 @@ RULES: tuple[Rule, ...] = (
          reason="verl_mcore_utils.lora inserts the adapters before wrapping (the reference policy is the base"
          " model)"),
     Rule(keys=_LORA_KEYS,
-         sections=(CRITIC_MODEL,), kind=_H, evidence=(),
-         reason="the critic's engine gets the same LoRA hook as the actor's"),
+         sections=(CRITIC_MODEL,), kind=_H,
+         evidence=(_SETTINGS + "test_critic_model_lora_builds_a_lora_critic",
+                   "packages/verl-mcore-utils/tests/test_lora.py::test_adapter_matches_peft_on_transformers",
+                   "packages/verl-mcore-utils/tests/test_lora.py::test_dropout_after_the_adapter",
+                   "packages/verl-mcore-utils/tests/test_lora.py::test_save_load_round_trip_is_exact"),
+         reason="the critic's engine gets the same LoRA hook as the actor's, from critic.model.lora"),
     Rule(keys=("lora.type",), sections=_MODELS, kind=_R, allowed=one_of("lora"), supported="lora",
          reason="verl_mcore_utils.lora implements plain LoRA (one adapter per linear)", example=("lora.type=dora",)),
     Rule(keys=("lora.a2a_experimental",), sections=_MODELS, kind=_R, allowed=one_of(False), supported="false",
@@ -381,20 +398,7 @@ RULES: tuple[Rule, ...] = (
          sections=_MODELS, kind=_N, reason="the rollout's speculative decoding with the MTP layers"),
 )  # fmt: skip
 
-EVIDENCE_TODO: frozenset[tuple[str, str]] = frozenset(
-    {
-        (REF, "log_prob_micro_batch_size_per_gpu"),
-        (REF, "log_prob_use_dynamic_bsz"),
-        (REF, "log_prob_max_token_len_per_gpu"),
-        (ACTOR, "megatron.seed"),
-        (REF, "megatron.seed"),
-        (CRITIC, "megatron.seed"),
-        (ACTOR, "megatron.forward_only"),
-        (REF, "megatron.forward_only"),
-        (CRITIC, "megatron.forward_only"),
-        *((CRITIC_MODEL, key) for key in _LORA_KEYS),
-    }
-)
+EVIDENCE_TODO: frozenset[tuple[str, str]] = frozenset()
 """(section, key pattern of an honoured rule) whose effect no test shows yet: the engine reads them (see the
 rule's reason) but the evidence is missing; the walk test reports them."""
 

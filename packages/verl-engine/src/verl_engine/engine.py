@@ -333,6 +333,13 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         """
         if not forward_only and loss_function is None:
             raise ValueError("forward_backward_batch(forward_only=False) needs a loss_function")
+        if not forward_only and self.optimizer is None:
+            # verl's worker asserts the same: a forward-only engine has frozen parameters and no optimizer
+            raise RuntimeError(
+                "this engine is forward only (megatron.forward_only=true, or the reference policy): it holds no"
+                " optimizer and its parameters are frozen; train_batch / forward_backward_batch(forward_only=False)"
+                " need a role built with forward_only=false and an optim section"
+            )
         call = self._start_call(data, loss_function, forward_only=forward_only)
         micro = self._plan(call.batch)
         self.backend.run(
