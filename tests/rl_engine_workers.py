@@ -818,3 +818,12 @@ def gpu_wgrad_fusion_grads(
         )
         engine.close()
     return out
+
+
+def build_error(rank: int, world_size: int, model_dir: str, overrides: list[str]) -> str:
+    """The message of the error building the actor raises (AssertionError when it builds)."""
+    try:
+        _engine(overrides, "actor", model_dir, "cpu")
+    except (NotImplementedError, ValueError) as error:
+        return str(error)
+    raise AssertionError(f"the actor was built with {overrides}")

@@ -15,6 +15,7 @@ debug backend sums and averages over the pool itself.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,10 @@ class DebugBackend:
         self.pool_size = pool_size
 
     def run(self, engine: Any, micro: Sequence[Any], step: Step, *, forward_only: bool) -> None:
+        with _moe_aux_loss_scale(engine, len(micro), forward_only=forward_only, schedule_sets_it=False):
+            self._run(engine, micro, step, forward_only=forward_only)
+
+    def _run(self, engine: Any, micro: Sequence[Any], step: Step, *, forward_only: bool) -> None:
         if engine.pipeline.size > 1:
             from verl_engine.pipeline import run_cpu_pipeline
 
@@ -91,6 +96,20 @@ class DebugBackend:
         return norm
 
 
+def _moe_aux_loss_scale(
+    engine: Any, num_micro_batches: int, *, forward_only: bool, schedule_sets_it: bool
+) -> contextlib.AbstractContextManager[None]:
+    """The aux-loss scale of a mixture-of-experts model for this call (:func:`verl_engine.moe.aux_loss_scale`);
+    nothing for a dense model or a forward-only call."""
+    if getattr(engine, "moe", None) is None or forward_only:
+        return contextlib.nullcontext()
+    from verl_engine.moe import aux_loss_scale
+
+    return aux_loss_scale(
+        pool_size=engine.moe.pool_size, num_micro_batches=num_micro_batches, schedule_sets_it=schedule_sets_it
+    )
+
+
 def _model_parallel_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
     """L2 norm of the whole model's gradient: TP shards and pipeline stages summed, each tensor once.
 
@@ -134,15 +153,16 @@ class MegatronBackend:
         # variable_seq_lengths (shapes are exchanged first), so the shapes given here are unused either
         # way (verl passes 1 / 1 too): packed micro-batches need no padding to a common length.
         chunks = engine.chunks
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro) if len(chunks) == 1 else [iter(micro) for _ in chunks],
-            model=chunks,
-            num_microbatches=n,
-            seq_length=1,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        with _moe_aux_loss_scale(engine, n, forward_only=forward_only, schedule_sets_it=True):
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro) if len(chunks) == 1 else [iter(micro) for _ in chunks],
+                model=chunks,
+                num_microbatches=n,
+                seq_length=1,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
 
     @staticmethod
     def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ import torch
 from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.engine import RLEngine
 from verl_engine.micro_batching import MicroBatching
+from verl_engine.moe import MoeRouting, moe_routing
 from verl_engine.mtp import MtpSettings
 from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
@@ -109,7 +110,21 @@ def build_rl_engine(
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
     trains = optim is not None and not engine.forward_only
     tf_config = _transformer_config(engine, model=model, parallel=parallel, device=device, trains=trains)
+    moe = moe_routing(
+        tf_config,
+        pool_size=parallel.pool,
+        trains=trains,
+        padded_rows=not engine.use_remove_padding,
+        mtp_layers=model.mtp_layers,
+        model_name=f"{model.path or '(hf_config)'} ({model.hf.get('model_type')!r})",
+    )
     chunks = _model_chunks(engine, model=model, tf_config=tf_config, device=device, trains=trains)
+    if moe is not None:
+        from megatron.core import parallel_state
+
+        from verl_engine.moe import route_over_pool
+
+        route_over_pool(chunks, group=parallel_state.get_tensor_and_data_parallel_group())
     optimizer, lr_schedule = training_state(
         chunks,
         engine=engine,
@@ -132,6 +147,7 @@ def build_rl_engine(
         device=device,
         fused_lm_head=fused_lm_head,
         mtp=mtp if trains and model.mtp_layers and mtp.enable_train else None,
+        moe=moe,
         engine_class=engine_class,
     )
 
@@ -152,7 +168,6 @@ def _model_config(
             raise ValueError("give model.path (a Hugging Face model directory) or an hf_config")
         hf_config = load_hf_config(model_path)
     hf = {**dict(hf_config), **dict(override_model_config or {})}
-    _refuse_moe(hf, model_path=model_path)
     mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
     lora = lora if lora is not None and lora.enabled else None
     if lora is not None and mtp_layers and mtp.enable_train:
@@ -314,6 +329,7 @@ def _assemble(
     device: torch.device,
     fused_lm_head: bool,
     mtp: Any | None,
+    moe: MoeRouting | None = None,
     engine_class: type[RLEngine] = RLEngine,
 ) -> RLEngine:
     from megatron.core import parallel_state
@@ -353,6 +369,7 @@ def _assemble(
             detach_encoder=bool(mtp.detach_encoder),
         ),
         lora=model.lora,
+        moe=moe,
     )
 
 
@@ -373,23 +390,6 @@ def _load_weights(
     with context:
         load_hf_weights(chunks, model_path, hf_config=hf_config)
     return chunks
-
-
-def _refuse_moe(hf: Mapping[str, Any], *, model_path: str | None) -> None:
-    """verl-mcore-utils builds Qwen3-MoE (HF parity, weights both ways); the engine does not train it yet.
-
-    Its micro-batch loop, losses and parallel layouts know nothing of routers: the load-balancing loss would
-    be scaled by no schedule, expert parallelism is not placed, router replay is absent. Refused by name
-    rather than trained wrongly.
-    """
-    from verl_mcore_utils.transformer_config import MOE_MODEL_TYPES
-
-    if hf.get("model_type") in MOE_MODEL_TYPES:
-        raise NotImplementedError(
-            f"model {model_path or '(hf_config)'}: {hf.get('model_type')!r} is a mixture-of-experts model; verl-engine"
-            " trains dense models only (qwen2, qwen3, llama) so far; verl_mcore_utils.build_gpt_model builds it"
-            " for inference and weight conversion"
-        )
 
 
 def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | None, value_model: bool) -> int:

@@ -104,7 +104,10 @@ _OPTIM_GROUPS = "tests/test_engine_optimizer.py::test_cpu_optimizer_groups_follo
 _LORA = "tests/test_rl_engine_lora_cpu.py::test_lora_engine_surface"
 _SETTINGS = "tests/test_rl_engine_settings_cpu.py::"
 _MTP = "tests/test_rl_engine_mtp_cpu.py::test_mtp_loss_matches_reference_and_is_independent_of_dp_and_cp"
-_NO_MOE = "verl-engine builds dense models only (qwen2, qwen3, llama): no experts to place"
+_NO_MOE = (
+    "verl-engine trains mixture-of-experts models (qwen3_moe) at expert parallel size 1 so far: every rank"
+    " holds every expert"
+)
 _NO_QAT = "verl-engine has no quantisation-aware training; leave the qat sections at verl's defaults"
 _ENTROPY_CHUNKING = (
     "the engine computes the entropy with its own vocab-parallel kernels (no chunking option); use"
@@ -319,7 +322,7 @@ RULES: tuple[Rule, ...] = (
          reason="the CPU debug backend always runs float32"),
     Rule(keys=("megatron.use_megatron_fsdp",), sections=_ROLES3, kind=_H,
          evidence=("tests/test_gpu_mfsdp.py::test_megatron_fsdp_matches_ddp_distributed_optimizer",)),
-    Rule(keys=("megatron.router_replay.*",), sections=_ROLES3, kind=_R, reason=_NO_MOE + " (no router to replay)",
+    Rule(keys=("megatron.router_replay.*",), sections=_ROLES3, kind=_R, reason="router replay (R2 / R3) is not implemented in verl-engine yet",
          example=("megatron.router_replay.mode=R2",)),
     Rule(keys=("megatron.use_dynamic_bsz", "megatron.max_token_len_per_gpu", "megatron.micro_batch_size_per_gpu"),
          sections=_ROLES3, kind=_H, evidence=(_PPO_STEP,),
@@ -382,7 +385,7 @@ RULES: tuple[Rule, ...] = (
     Rule(keys=("lora.type",), sections=_MODELS, kind=_R, allowed=one_of("lora"), supported="lora",
          reason="verl_mcore_utils.lora implements plain LoRA (one adapter per linear)", example=("lora.type=dora",)),
     Rule(keys=("lora.a2a_experimental",), sections=_MODELS, kind=_R, allowed=one_of(False), supported="false",
-         reason=_NO_MOE + " (no expert all-to-all)", example=("lora.a2a_experimental=true",)),
+         reason="LoRA adapters on the experts' all-to-all are not implemented (verl-engine runs experts at expert parallel size 1)", example=("lora.a2a_experimental=true",)),
     Rule(keys=("lora.freeze_vision_model", "lora.freeze_vision_projection", "lora.freeze_language_model"),
          sections=_MODELS, kind=_R, allowed=one_of(True), supported="true",
          reason="verl-engine builds text-only models and LoRA always freezes the base model",

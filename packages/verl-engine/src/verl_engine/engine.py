@@ -22,6 +22,7 @@ from verl_engine.forward import ModelForward, _unwrap
 from verl_engine.lifetime import Closeable
 from verl_engine.metrics import MetricAccumulator
 from verl_engine.micro_batching import MicroBatching, split_to_multiple
+from verl_engine.moe import MoeRouting
 from verl_engine.mtp import MtpSettings, MtpTracker, mtp_target_counts
 from verl_engine.packed import (
     CPLayout,
@@ -88,6 +89,7 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         hf_config: Mapping[str, Any] | None = None,
         lora: Any = None,
         fused_lm_head: bool = False,
+        moe: MoeRouting | None = None,
     ) -> None:
         # ``chunks``: this rank's model chunks (one, or one per virtual pipeline stage); ``model`` is the
         # chunk itself when there is one, else a ModuleList of them (train / eval / parameters cover all).
@@ -105,6 +107,8 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         self.hf_config = hf_config
         # verl-config's LoraConfig when the model carries LoRA adapters (rank > 0), else None
         self.lora = lora
+        # mixture-of-experts routing (verl_engine.moe): padding mask and aux-loss scale; None for dense models
+        self.moe = moe
         self.optimizer = optimizer
         self.backend = backend
         self.tp_group = tp_group

@@ -12,6 +12,7 @@ import torch
 
 from verl_engine.fused_head import lm_head_returns_hidden
 from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
+from verl_engine.moe import MoeRouting
 from verl_engine.mtp import MtpSettings, MtpTracker, run_mtp
 from verl_engine.packed import CPLayout, PackedBatch, PlannedMicroBatch
 from verl_engine.rl_batch import RLBatch
@@ -26,6 +27,7 @@ class ModelForward:
     cp_layout: CPLayout
     device: torch.device
     fused_lm_head: bool
+    moe: MoeRouting | None
     mtp: MtpSettings | None
     pool_size: int
     tp_group: Any
@@ -44,14 +46,33 @@ class ModelForward:
         """The chunk's raw output for this rank's share: activations before the last stage (input from
         ``set_input_tensor``), logits or values on it (packed path; the padded one post-processes them)."""
         if self.use_remove_padding:
+            ids = mb.split.batch.input_ids[None]
             return model(
-                input_ids=mb.split.batch.input_ids[None],
+                input_ids=ids,
                 position_ids=None,
                 attention_mask=None,
                 packed_seq_params=mb.packed_seq_params,
+                **self._routing_kwargs(mb, ids),
             )
-        rows, _, _ = self._padded_rows(mb, packed=packed)
-        return model(input_ids=rows, position_ids=None, attention_mask=None)
+        rows, _, lens = self._padded_rows(mb, packed=packed)
+        return model(
+            input_ids=rows, position_ids=None, attention_mask=None, **self._routing_kwargs(mb, rows, lens)
+        )
+
+    def _routing_kwargs(
+        self, mb: PlannedMicroBatch, ids: torch.Tensor, lens: Sequence[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``padding_mask`` (True at padding, ``ids``' shape) for a mixture-of-experts model whose
+        megatron-core takes it: THD alignment padding, right-padding of padded rows and an idle group's dummy
+        sequence are neither routed into the load-balancing statistics nor counted (:mod:`verl_engine.moe`)."""
+        if self.moe is None or not self.moe.padding_mask:
+            return {}
+        if mb.split.is_dummy:
+            return {"padding_mask": torch.ones_like(ids, dtype=torch.bool)}
+        if lens is not None:  # padded rows [n, L]
+            width = torch.arange(ids.shape[1], device=ids.device)
+            return {"padding_mask": width[None] >= torch.tensor(list(lens), device=ids.device)[:, None]}
+        return {"padding_mask": mb.split.batch.meta.is_padding.to(ids.device)[None]}
 
     def _forward(
         self,
@@ -134,7 +155,10 @@ class ModelForward:
         """
         split = mb.split
         rows, labels, lens = self._padded_rows(mb, packed=packed)
-        out = model(input_ids=rows, position_ids=None, attention_mask=None)  # [n, L, V/tp] or [n, L, 1]
+        # [n, L, V/tp] or [n, L, 1]
+        out = model(
+            input_ids=rows, position_ids=None, attention_mask=None, **self._routing_kwargs(mb, rows, lens)
+        )
         flat_out = torch.cat([out[r, :n] for r, n in enumerate(lens)])
         flat_labels = torch.cat([labels[r, :n] for r, n in enumerate(lens)])
         if split.is_dummy:
