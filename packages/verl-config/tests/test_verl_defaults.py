@@ -62,6 +62,8 @@ def test_a_config_without_a_rollout_name_loads_and_the_consumer_gets_a_precise_e
         ).actor_rollout_ref.rollout.name
         == "vllm"
     )
+    plus = _load(*MICRO_BATCHES, "+actor_rollout_ref.rollout.name=sglang")  # Hydra's '+' sets a ??? key
+    assert plus.actor_rollout_ref.rollout.name == "sglang"
     composed = compose_config(overrides=[])  # the composed tree keeps verl's ??? (shown as verl shows it)
     assert OmegaConf.is_missing(composed.actor_rollout_ref.rollout, "name")
     with pytest.raises(

@@ -200,14 +200,14 @@ def _plus_allowed(parent: DictConfig, leaf: str, ov: Override) -> bool:
     """
     if not verl_yaml_declares(ov.key):
         return _holds_default(parent, leaf)
-    node = parent._get_node(leaf)
-    return node is None or node._is_none() or isinstance(ov.value, dict | list)
+    node = parent._get_node(leaf)  # Hydra selects a ??? value as None: '+' sets it
+    return node is None or node._is_none() or node._is_missing() or isinstance(ov.value, dict | list)
 
 
 def _holds_default(parent: DictConfig, leaf: str) -> bool:
     """True when ``parent[leaf]`` is null or, in a typed section, equal to its field's declared default."""
     value = parent._get_node(leaf)
-    if value is None or value._is_none():
+    if value is None or value._is_none() or value._is_missing():
         return True
     cls = OmegaConf.get_type(parent)
     if not dataclasses.is_dataclass(cls):
