@@ -140,6 +140,7 @@ def build(
     overrides = [
         "model_engine=megatron",
         "actor_rollout_ref.model.path=random-init",
+        "critic.model.path=${actor_rollout_ref.model.path}",  # GAE (the default) uses the critic: give its model
         f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
         "trainer.n_gpus_per_node=1",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

@@ -81,6 +81,7 @@ def main() -> None:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "critic.ppo_micro_batch_size_per_gpu=4",
+        "critic.model.path=${actor_rollout_ref.model.path}",  # GAE (the default) uses the critic: give its model
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         f"actor_rollout_ref.actor.optim.total_training_steps={args.steps}",

@@ -152,6 +152,7 @@ def main() -> None:
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "critic.ppo_micro_batch_size_per_gpu=4",
+            "critic.model.path=${actor_rollout_ref.model.path}",  # GAE (the default) uses the critic: give its model
             "actor_rollout_ref.actor.optim.total_training_steps=10",
             "critic.optim.total_training_steps=10",
             *extra,

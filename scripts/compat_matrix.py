@@ -57,7 +57,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "verl-config",
         "every verl key, default and type (pinned verl)",
-        ("test_verl_parity", "test_verl_reference_data"),
+        ("test_verl_parity", "test_verl_reference_data", "test_verl_defaults"),
     ),
     ("verl-config", "verl's launch commands", ("test_verl_launch_commands",)),
     ("verl-config", "LoRA block and module names", ("test_lora",)),

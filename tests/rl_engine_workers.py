@@ -19,6 +19,7 @@ BASE = [
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
     "critic.ppo_micro_batch_size_per_gpu=2",
+    "critic.model.path=${actor_rollout_ref.model.path}",  # GAE: the critic needs its model
     "actor_rollout_ref.actor.optim.lr=1e-2",
     "critic.optim.lr=1e-2",
     "actor_rollout_ref.actor.optim.clip_grad=1e9",

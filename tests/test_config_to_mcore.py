@@ -11,6 +11,7 @@ MICRO = [
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
     "critic.ppo_micro_batch_size_per_gpu=4",
+    "critic.model.path=${actor_rollout_ref.model.path}",  # GAE: the critic needs its model
 ]
 
 

@@ -6,8 +6,10 @@ import pytest
 
 import verl_config.notes
 
-# The micro-batch keys verl requires a user to set (null by default); most tests set them all.
+# The keys verl requires a user to set (micro-batch sizes are null by default; the critic of the default GAE
+# estimator needs its own model path, verl's default being a placeholder); most tests set them all.
 MICRO_BATCHES = [
+    "critic.model.path=${actor_rollout_ref.model.path}",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",

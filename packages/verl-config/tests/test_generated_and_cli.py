@@ -74,7 +74,15 @@ def test_cli_show_validate_diff(capsys) -> None:
     assert "ppo_micro_batch_size_per_gpu: is null" in capsys.readouterr().err
     assert main(["show", "actor_rollout_ref.actor.optim.lrr=1"]) == 2  # unknown keys are still refused
     capsys.readouterr()
-    assert main(["validate", "model_engine=megatron", "actor_rollout_ref.actor.use_dynamic_bsz=true"]) == 0
+    assert main(["validate", "model_engine=megatron", "actor_rollout_ref.actor.use_dynamic_bsz=true"]) == 2
+    assert "critic.model.path: is not set but the critic is used" in capsys.readouterr().err
+    critic_path = "critic.model.path=${actor_rollout_ref.model.path}"
+    assert (
+        main(
+            ["validate", "model_engine=megatron", "actor_rollout_ref.actor.use_dynamic_bsz=true", critic_path]
+        )
+        == 0
+    )
     assert "note: actor_rollout_ref.actor.megatron.sequence_parallel" in capsys.readouterr().err
     assert main(["validate", "actor_rollout_ref.actor.optim.lrr=1"]) == 2
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in capsys.readouterr().err
@@ -118,7 +126,8 @@ def test_readme_example_validates(command: str, capsys) -> None:
 def test_imports_without_torch() -> None:
     code = (
         "import sys, verl_config; verl_config.load_config('ppo_megatron_trainer', overrides=["
-        "'actor_rollout_ref.actor.use_dynamic_bsz=true', 'critic.use_dynamic_bsz=true']);"
+        "'actor_rollout_ref.actor.use_dynamic_bsz=true', 'critic.use_dynamic_bsz=true',"
+        " 'critic.model.path=${actor_rollout_ref.model.path}']);"
         " assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True)

@@ -12,6 +12,7 @@ from verl_config import (
     ConfigValueError,
     LoraConfig,
     TrainerConfig,
+    explicit_keys_of,
     load_config,
     translate_target_modules,
 )
@@ -53,7 +54,11 @@ def test_flat_only_is_moved_into_the_block_with_warnings() -> None:
     model = cfg.actor_rollout_ref.model
     assert (model.lora.rank, model.lora.alpha) == (8, 32)
     assert model.lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (None, None, None)
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (
+        0,
+        16,
+        "all-linear",
+    )  # verl's defaults
     assert any(f"{M}.lora_rank is deprecated; write {M}.lora.rank" in w for w in warned)
     assert any(f"{M}.target_modules is deprecated" in w for w in warned)
     assert any("alpha is now 32" in w and f"{M}.lora.alpha=16 to keep the old scaling" in w for w in warned)
@@ -82,11 +87,33 @@ def test_both_spellings_equal_is_accepted() -> None:
     ]
 
 
+def test_flat_keys_given_at_verls_defaults_with_rank_0_are_left_alone() -> None:
+    """A full dumped config writes every flat key at verl's default (rank 0: the flat LoRA is off, as in verl),
+    which must not move into or conflict with the block; given keys are on the config (explicit_keys_of)."""
+    cfg, warned = _load(
+        f"{M}.lora_rank=0",
+        f"{M}.lora_alpha=16",
+        f"{M}.target_modules=all-linear",
+        f"{M}.lora.rank=8",
+        f"{M}.lora.alpha=64",
+    )
+    lora = cfg.actor_rollout_ref.model.lora
+    assert (lora.rank, lora.alpha) == (8, 64)
+    assert not any("deprecated" in w for w in warned)
+    given = explicit_keys_of(cfg)
+    assert given is not None and f"{M}.lora.rank" in given and f"{M}.lora_alpha" in given
+    assert f"{M}.lora.dropout" not in given
+    assert explicit_keys_of(LoraConfig()) is None
+    moved, _ = _load(f"{M}.lora_rank=8", f"{M}.lora_alpha=16")  # with a flat rank, alpha 16 is a choice
+    assert moved.actor_rollout_ref.model.lora.alpha == 16
+    assert f"{M}.lora.alpha" in explicit_keys_of(moved)  # a moved flat key counts for its canonical key
+
+
 @pytest.mark.parametrize(
     ("flat", "block", "names"),
     [
         (f"{M}.lora_rank=8", f"{M}.lora.rank=16", (f"{M}.lora_rank", f"{M}.lora.rank")),
-        (f"{M}.lora_alpha=16", f"{M}.lora.alpha=32", (f"{M}.lora_alpha", f"{M}.lora.alpha")),
+        (f"{M}.lora_alpha=64", f"{M}.lora.alpha=32", (f"{M}.lora_alpha", f"{M}.lora.alpha")),
         (
             f"{M}.target_modules=[q_proj,k_proj,v_proj]",
             f"{M}.lora.target_modules=[linear_fc1]",

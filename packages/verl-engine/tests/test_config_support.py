@@ -38,6 +38,7 @@ BASE = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
     "critic.ppo_micro_batch_size_per_gpu=1",
+    "critic.model.path=${actor_rollout_ref.model.path}",  # GAE: the critic needs its model
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
 ]
 

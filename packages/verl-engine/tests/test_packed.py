@@ -66,6 +66,7 @@ MICRO_BATCHES = [
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     "critic.ppo_micro_batch_size_per_gpu=4",
+    "critic.model.path=${actor_rollout_ref.model.path}",  # GAE: the critic needs its model
 ]
 
 

@@ -149,6 +149,7 @@ def test_from_the_verl_config_section() -> None:
             f"{am}.override_ddp_config.overlap_grad_reduce=false",
             "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "critic.use_dynamic_bsz=true",
+            "critic.model.path=${actor_rollout_ref.model.path}",  # GAE (the default) uses the critic: give its model
         ]
     )
     engine = cfg.actor_rollout_ref.actor.megatron

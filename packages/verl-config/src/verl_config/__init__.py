@@ -44,7 +44,7 @@ from verl_config.generate import (
     generated_yaml,
     write_generated,
 )
-from verl_config.loader import apply_override, to_yaml
+from verl_config.loader import apply_override, explicit_keys_of, to_yaml
 from verl_config.lora import (
     DEFAULT_LORA_ALPHA,
     HF_TO_MCORE,
@@ -123,6 +123,7 @@ __all__ = [
     "default_tree",
     "engine_differences",
     "errors_of",
+    "explicit_keys_of",
     "format_value",
     "generated_yaml",
     "load_config",

@@ -21,7 +21,16 @@ from omegaconf import DictConfig, OmegaConf
 from verl_config.actor import ActorRolloutRefConfig, McoreActorConfig, McoreRefConfig
 from verl_config.critic import McoreCriticConfig
 from verl_config.errors import ConfigError, ConfigKeyError, ConfigValueError, ErrorCollector
-from verl_config.loader import KeyHint, apply_override, build_typed, explicit_keys, merge_layer, read_yaml
+from verl_config.loader import (
+    EXPLICIT_ATTR,
+    KeyHint,
+    apply_override,
+    build_typed,
+    explicit_keys,
+    is_given,
+    merge_layer,
+    read_yaml,
+)
 from verl_config.lora import (
     DEFAULT_LORA_ALPHA,
     LEGACY_FLAT_LORA_ALPHA,
@@ -34,7 +43,7 @@ from verl_config.ppo import MODEL_ENGINES, TrainerConfig
 from verl_config.rollout import McoreRolloutConfig
 from verl_config.tree_cache import cached_bytes
 
-__all__ = ["ENTRIES", "compose_config", "default_tree", "load_config", "resolve_entry"]
+__all__ = ["ENTRIES", "check_critic_model", "compose_config", "default_tree", "load_config", "resolve_entry"]
 
 T = TypeVar("T")
 
@@ -42,6 +51,15 @@ T = TypeVar("T")
 ENTRIES: dict[str, str | None] = {"ppo_trainer": None, "ppo_megatron_trainer": "megatron"}
 _ABSENT = object()
 _MODEL_PATHS = ("actor_rollout_ref.model", "critic.model")
+# verl's mandatory keys (???) that only a consumer needs: a config without them loads (null in the typed config)
+_NAMED_AT_USE = ("actor_rollout_ref.rollout.name", "reward.reward_model.rollout.name")
+# verl's defaults of the deprecated flat LoRA keys (a flat key goes back to it once moved into model.lora)
+_FLAT_LORA_DEFAULTS: dict[str, Any] = {
+    "lora_rank": 0,
+    "lora_alpha": 16,
+    "target_modules": "all-linear",
+    "exclude_modules": None,
+}
 # Keys of the megatron reference section that follow the actor's (same model, same layout): verl's
 # list, then our packed-sequence keys.
 _REF_FOLLOWS_ACTOR = (
@@ -174,11 +192,16 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
     for model_path in _MODEL_PATHS:
         model = OmegaConf.select(cfg, model_path)
         lora = model.lora
-        flat_given = {
+        # given = written by the user (the flat keys hold verl's defaults otherwise); a null is "not given". As in
+        # verl, the flat keys configure LoRA only with a flat lora_rank > 0: with rank 0 a value equal to verl's
+        # default says nothing (a full dumped config writes them all) and is left alone.
+        given = {
             k
-            for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
-            if k in model and model[k] is not None
+            for k in _FLAT_LORA_DEFAULTS
+            if k in model and is_given(explicit, f"{model_path}.{k}") and model[k] is not None
         }
+        flat_on = "lora_rank" in given and model.lora_rank != 0
+        flat_given = {k for k in given if flat_on or not _is_flat_default(model, k)}
         for flat_key, block_key in (
             ("lora_rank", "rank"),
             ("lora_alpha", "alpha"),
@@ -191,7 +214,7 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
             if block_key in ("target_modules", "exclude_modules"):
                 flat_value = flat_target_modules(flat_value)
             block_full = f"{model_path}.lora.{block_key}"
-            block_explicit = any(k == block_full or k.startswith(block_full + ".") for k in explicit)
+            block_explicit = is_given(explicit, block_full)
             if block_explicit and _lora_value(lora[block_key], block_key, engine) != _lora_value(
                 flat_value, block_key, engine
             ):
@@ -204,7 +227,8 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
                 f"{model_path}.{flat_key} is deprecated; write {block_full} (the structured lora block is canonical)"
             )
             lora[block_key] = flat_value
-            model[flat_key] = None
+            model[flat_key] = _FLAT_LORA_DEFAULTS[flat_key]  # one source of truth: the block
+            explicit.add(block_full)
         alpha_full = f"{model_path}.lora.alpha"
         if "lora_rank" in flat_given and "lora_alpha" not in flat_given and alpha_full not in explicit:
             warn_once(
@@ -219,6 +243,13 @@ def _migrate_lora(cfg: DictConfig, *, engine: str, explicit: set[str]) -> None:
                 )
             except ConfigValueError as err:
                 raise err.with_prefix(f"{model_path}.lora") from None
+
+
+def _is_flat_default(model: DictConfig, key: str) -> bool:
+    value = model[key]
+    if isinstance(value, DictConfig) or OmegaConf.is_list(value):
+        value = OmegaConf.to_container(value)
+    return bool(value == _FLAT_LORA_DEFAULTS[key])
 
 
 def _lora_value(value: Any, key: str, engine: str) -> Any:
@@ -270,6 +301,7 @@ def _move_spelling(
         )
     warn_once(f"{legacy} is deprecated; write {canonical}")
     OmegaConf.update(cfg, canonical, value, merge=False)
+    explicit.add(canonical)
     if clear:
         section[leaf] = None
 
@@ -291,10 +323,32 @@ def load_config(
     result, see :func:`verl_config.config_notes`.
     """
     errors = ErrorCollector()
-    cfg, hint = _compose(entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides, errors=errors)
-    config, notes = build_typed(cfg, hint=hint, errors=errors)
+    cfg, hint, explicit = _compose(
+        entry, yaml_path=yaml_path, yaml_text=yaml_text, overrides=overrides, errors=errors
+    )
+    config, notes = build_typed(cfg, hint=hint, errors=errors, missing_as_none=_NAMED_AT_USE)
     object.__setattr__(config, "_verl_config_notes", notes)
+    object.__setattr__(config, EXPLICIT_ATTR, frozenset(explicit))
+    if isinstance(config, TrainerConfig):
+        check_critic_model(config, explicit)
     return config
+
+
+def check_critic_model(config: TrainerConfig, explicit: set[str] | frozenset[str]) -> None:
+    """A used critic needs ``critic.model.path`` from the user: verl's default is a placeholder model."""
+    if not config.uses_critic or is_given(explicit, "critic.model.path"):
+        return
+    why = (
+        "critic.enable is true"
+        if config.critic.enable
+        else f"algorithm.adv_estimator={config.algorithm.adv_estimator} needs a value model"
+    )
+    raise ConfigValueError(
+        "critic.model.path",
+        f"is not set but the critic is used ({why}); verl 0.9.1 would load its placeholder default"
+        f" {config.critic.model.path!r}, not the actor's model. Set critic.model.path (e.g."
+        " critic.model.path=${actor_rollout_ref.model.path} to start the critic from the actor's model)",
+    )
 
 
 def compose_config(
@@ -324,8 +378,10 @@ def _compose(
     yaml_text: str | None,
     overrides: Sequence[str],
     errors: ErrorCollector,
-) -> tuple[DictConfig, KeyHint | None]:
-    """Compose the tree; a bad override is recorded in ``errors`` and skipped, so every one is reported."""
+) -> tuple[DictConfig, KeyHint | None, set[str]]:
+    """Compose the tree; a bad override is recorded in ``errors`` and skipped, so every one is reported.
+
+    Also returns the keys the user gave (YAML and overrides, plus the canonical keys of moved legacy ones)."""
     parsed: list[Override] = []
     for text in overrides:
         with errors:
@@ -350,10 +406,10 @@ def _compose(
     for ov in parsed:
         with errors:
             apply_override(cfg, ov, hint=hint)
+    explicit = explicit_keys(layer[1] if layer else None, parsed)
     if engine is not None:
-        explicit = explicit_keys(layer[1] if layer else None, parsed)
         with errors:
             _migrate_lora(cfg, engine=engine, explicit=explicit)
         with errors:
             _migrate_legacy_spellings(cfg, explicit=explicit)
-    return cfg, hint
+    return cfg, hint, explicit

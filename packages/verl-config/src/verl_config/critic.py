@@ -24,7 +24,8 @@ class CriticConfig:
     enable: bool | None = None
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
     ppo_micro_batch_size: int | None = None
-    ppo_micro_batch_size_per_gpu: int | None = None
+    # verl's default: follows the deprecated global key, so giving that one sets both (refused, as in verl)
+    ppo_micro_batch_size_per_gpu: int | None = "${oc.select:.ppo_micro_batch_size,null}"  # type: ignore[assignment]
     use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
     ppo_max_token_len_per_gpu: int | None = 32768
     forward_max_token_len_per_gpu: int | None = "${.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]

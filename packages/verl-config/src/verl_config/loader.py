@@ -26,9 +26,12 @@ from verl_config.overrides import Override, format_value, parse_override
 from verl_config.verl_keys import verl_yaml_declares
 
 __all__ = [
+    "EXPLICIT_ATTR",
     "apply_override",
     "build_typed",
     "explicit_keys",
+    "explicit_keys_of",
+    "is_given",
     "merge_layer",
     "read_yaml",
     "to_yaml",
@@ -150,7 +153,7 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
         raise ConfigTypeError(
             f"override {ov.text!r}: '{parent_key}' holds a {type(parent).__name__} value, not a section"
         )
-    exists = leaf in parent
+    exists = leaf in parent or OmegaConf.is_missing(parent, leaf)  # `in` is false for a ??? value
     closed = _is_schema_node(parent)
     where = f"'{parent_key}'" if parent_key else "the top level"
     if ov.kind == "delete":
@@ -179,7 +182,7 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
             err = unknown_key_error(cfg, ov.key, hint=hint)
             raise ConfigKeyError(f"cannot add a key to the typed section {where}: {err}")
         raise unknown_key_error(cfg, ov.key, hint=hint)
-    if exists and _is_schema_node(parent[leaf]) and isinstance(ov.value, dict):
+    if exists and _is_schema_node(parent._get_node(leaf)) and isinstance(ov.value, dict):
         parent[leaf] = OmegaConf.merge(parent[leaf], ov.value)
     else:
         with open_dict(parent):
@@ -197,14 +200,14 @@ def _plus_allowed(parent: DictConfig, leaf: str, ov: Override) -> bool:
     """
     if not verl_yaml_declares(ov.key):
         return _holds_default(parent, leaf)
-    node = parent._get_node(leaf)
-    return node is None or node._is_none() or isinstance(ov.value, dict | list)
+    node = parent._get_node(leaf)  # Hydra selects a ??? value as None: '+' sets it
+    return node is None or node._is_none() or node._is_missing() or isinstance(ov.value, dict | list)
 
 
 def _holds_default(parent: DictConfig, leaf: str) -> bool:
     """True when ``parent[leaf]`` is null or, in a typed section, equal to its field's declared default."""
     value = parent._get_node(leaf)
-    if value is None or value._is_none():
+    if value is None or value._is_none() or value._is_missing():
         return True
     cls = OmegaConf.get_type(parent)
     if not dataclasses.is_dataclass(cls):
@@ -273,31 +276,62 @@ def explicit_keys(layer: DictConfig | Mapping[str, Any] | None, overrides: list[
     return keys
 
 
+# The attribute of a loaded config holding the keys the user gave (see explicit_keys_of).
+EXPLICIT_ATTR = "_verl_config_explicit"
+
+
+def is_given(explicit: set[str] | frozenset[str], key: str) -> bool:
+    """Whether the user wrote ``key`` or a key below it."""
+    return key in explicit or any(k.startswith(key + ".") for k in explicit)
+
+
+def explicit_keys_of(config: Any) -> frozenset[str] | None:
+    """The dotted keys the user gave when ``config`` was loaded (YAML file or text, overrides; a moved legacy
+    spelling counts for its canonical key), to tell "given" from "default"; None when ``config`` was not made by
+    :func:`verl_config.load_config`."""
+    keys = getattr(config, EXPLICIT_ATTR, None)
+    return frozenset(keys) if keys is not None else None
+
+
 def build_typed(
     cfg: DictConfig,
     *,
     origin: str = "config",
     hint: KeyHint | None = None,
     errors: ErrorCollector | None = None,
+    missing_as_none: tuple[str, ...] = (),
 ) -> tuple[Any, list[str]]:
     """Resolve ``cfg`` and build its dataclasses bottom-up; return (object, notes).
 
     The concrete dataclass of every section is taken from the node (so an engine-specific
     subclass stays itself), every ``__post_init__`` error gets the section path in front of its
     key, and :class:`~verl_config.notes.ConfigNote` warnings are collected with full keys.
+    The keys of ``missing_as_none`` that hold ``???`` (verl's "mandatory") are built as None.
     A section that fails does not stop the others: every error is raised together at the end
     (with those already in ``errors``, e.g. from the overrides), see :class:`ConfigErrors`.
     """
     errors = errors if errors is not None else ErrorCollector()
+    unset = [key for key in missing_as_none if _is_missing(cfg, key)]
+    for key in unset:  # mandatory (???) only for a consumer: built as null, the tree is left as it was
+        OmegaConf.update(cfg, key, None, merge=False)
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except oc_errors.OmegaConfBaseException as exc:
         errors.add(_translate(cfg, exc, origin, hint))  # type: ignore[arg-type]
         errors.raise_if_any()
+    finally:
+        for key in unset:
+            OmegaConf.update(cfg, key, "???", merge=False)
     notes: list[str] = []
     config = _build_node(cfg, data, "", notes, errors)
     errors.raise_if_any()
     return config, notes
+
+
+def _is_missing(cfg: DictConfig, key: str) -> bool:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
+    return isinstance(parent, DictConfig) and OmegaConf.is_missing(parent, leaf)
 
 
 def _build_node(

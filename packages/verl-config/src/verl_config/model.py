@@ -2,9 +2,11 @@
 
 ``lora`` is the canonical LoRA spelling on every model section (verl's dataclasses carry it on
 both engines). The flat keys ``lora_rank`` / ``lora_alpha`` / ``target_modules`` /
-``exclude_modules`` exist where verl's generated configs have them; here null means "not given",
-and a given value is moved into ``lora`` with a warning when the config is loaded
-(:mod:`verl_config.compose`), so there is one source of truth for the adapter.
+``exclude_modules`` exist where verl's generated configs have them, with verl's defaults (0, 16,
+``all-linear``, null). A value the user gave (the loader tracks the keys written in the YAML and the
+overrides, see :func:`verl_config.explicit_keys_of`) is moved into ``lora`` with a warning when the config
+is loaded (:mod:`verl_config.compose`), and the flat key goes back to its default, so there is one source of
+truth for the adapter.
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ class ModelConfig(BaseModelConfig):
     enable_gradient_checkpointing: bool = True
     enable_activation_offload: bool = False
     use_remove_padding: bool = True
-    lora_rank: int | None = None
-    lora_alpha: float | None = None
-    target_modules: Any = None
+    lora_rank: int | None = 0
+    lora_alpha: float | None = 16
+    target_modules: Any = "all-linear"
     exclude_modules: Any = None
     lora_adapter_path: str | None = None
     use_liger: bool = False
@@ -120,10 +122,8 @@ class ModelConfig(BaseModelConfig):
 
 @dataclass
 class CriticModelConfig(ModelConfig):
-    """The critic's model (``critic.model``, both engines): a full model section that follows the actor's model
-    (path, tokenizer, remote code and external library) unless set."""
+    """The critic's model (``critic.model``, both engines): a full model section with verl's own defaults.
 
-    path: str = "${actor_rollout_ref.model.path}"
-    tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
-    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
-    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
+    As in verl, it does not follow the actor's model: ``path`` is verl's placeholder, so a config that uses the
+    critic must set ``critic.model.path`` (:func:`verl_config.compose.load_config` refuses it otherwise), e.g.
+    ``critic.model.path=${actor_rollout_ref.model.path}`` for a critic started from the actor's model."""

@@ -236,6 +236,16 @@ def check_micro(*, role: str, section: Any, kind: str, mini: int | None, dp: int
     global_value = getattr(section, global_key)
     per_gpu = getattr(section, per_gpu_key)
     if global_value is not None and per_gpu is not None:
+        if role == "critic":
+            if dynamic:  # verl checks the two keys only without dynamic batch sizes
+                return
+            raise ConfigValueError(
+                f"{role}.{global_key}",
+                f"is set ({global_value}) and {role}.{per_gpu_key} is {per_gpu}: verl's default of"
+                f" {role}.{per_gpu_key} follows {role}.{global_key}, so giving the deprecated global size sets both,"
+                f" and verl 0.9.1 refuses both being set; remove {role}.{global_key} and set {role}.{per_gpu_key}"
+                f" (sequences per GPU per forward = global size / data-parallel size {dp})",
+            )
         raise ConfigValueError(
             f"{role}.{global_key}",
             f"and {role}.{per_gpu_key} are both set ({global_value}, {per_gpu}); {global_key} is the deprecated"

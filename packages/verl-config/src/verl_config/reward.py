@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from omegaconf import MISSING
+
 from verl_config.errors import ConfigValueError
 from verl_config.notes import adjusting, note
 from verl_config.rollout import DisaggregationConfig
@@ -85,7 +87,7 @@ class SandboxFusionConfig:
 class RewardRolloutConfig:
     """The rollout engine that serves a reward model (``reward.reward_model.rollout``); verl's defaults."""
 
-    name: str | None = "vllm"
+    name: str | None = MISSING  # verl's ??? (mandatory): built as null; required once the reward model is on
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
@@ -161,6 +163,12 @@ class RewardModelConfig:
         if self.enable and not self.model_path:
             raise ConfigValueError(
                 "model_path", "is null but enable is true; give the reward model (a local path or a hub name)"
+            )
+        if self.enable and self.rollout.name in (None, MISSING):
+            raise ConfigValueError(
+                "rollout.name",
+                "is not set (verl's default is ??? = mandatory) but enable is true: the reward model is served by"
+                " a rollout engine; set reward.reward_model.rollout.name=vllm|sglang|trtllm",
             )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import MISSING
+
 from verl_config.errors import ConfigValueError
 from verl_config.profiler import ProfilerConfig, follower_profiler
 from verl_config.validation import check_choice, check_positive, check_positive_keys, check_unit_interval
@@ -169,7 +171,8 @@ def _rollout_profiler() -> ProfilerConfig:
 class RolloutConfig:
     """Generation engine settings common to both training engines."""
 
-    name: str | None = "vllm"
+    # verl's ??? (mandatory): a config without a rollout loads; built as null, see require_name
+    name: str | None = MISSING
     mode: str = "async"
     nnodes: int = 0
     n_gpus_per_node: int = "${trainer.n_gpus_per_node}"  # type: ignore[assignment]
@@ -236,7 +239,7 @@ class RolloutConfig:
         check_positive(
             "moe_load_balance_metrics_interval", self.moe_load_balance_metrics_interval, allow_zero=True
         )
-        if self.name is not None:  # null is accepted as by verl; a rollout needs a name to start
+        if self.name not in (None, MISSING):  # unset is accepted as by verl; a rollout needs it to start
             check_choice("name", self.name, ROLLOUT_NAMES)
         if self.mode == "sync":
             raise ConfigValueError(
@@ -264,6 +267,17 @@ class RolloutConfig:
                 f"is {self.pipeline_model_parallel_size} but rollout {self.name!r} has no pipeline parallel in verl;"
                 " use tensor_model_parallel_size / data_parallel_size instead",
             )
+
+    def require_name(self, key: str = "actor_rollout_ref.rollout.name") -> str:
+        """The rollout engine's name, for a consumer that starts a rollout; an error naming ``key`` when unset
+        (verl's default is ``???``: mandatory, and verl fails only when it reads it)."""
+        if self.name in (None, MISSING):
+            raise ConfigValueError(
+                key,
+                f"is not set (verl's default is ??? = mandatory) but a rollout is started; set {key}="
+                f"{'|'.join(ROLLOUT_NAMES)} (YAML or override)",
+            )
+        return str(self.name)
 
     def _check_moe_parallel(self) -> None:
         """verl's RolloutConfig rules for the MoE layout of the serving engine (TensorRT-LLM has its own)."""

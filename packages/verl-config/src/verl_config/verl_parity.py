@@ -95,36 +95,6 @@ INTENTIONAL_DIFFERENCES: tuple[Difference, ...] = (
         " buffer lives in reward_kwargs; reward_model.reward_kwargs is the pre-0.9 spelling, which only verl's"
         " fully-async entry still moves there); declared here so they are typed and '+' works as in verl.",
     ),
-    Difference(
-        keys=("*.model.lora_rank", "*.model.lora_alpha", "*.model.target_modules"),
-        kind="default",
-        reason="deprecated flat LoRA keys: null means 'not given'; a given value moves into the canonical"
-        " model.lora block (one source of truth, alpha 32 for both engines, see LoRA below).",
-    ),
-    Difference(
-        keys=("actor_rollout_ref.rollout.name", "reward.reward_model.rollout.name"),
-        kind="default",
-        reason="verl leaves it mandatory (???); here it defaults to vllm so that a config without a rollout"
-        " (engine-only use, SFT, tests) loads. Any value verl accepts is accepted.",
-    ),
-    Difference(
-        keys=(
-            "critic.model.path",
-            "critic.model.tokenizer_path",
-            "critic.model.trust_remote_code",
-            "critic.model.external_lib",
-        ),
-        kind="default",
-        reason="follow actor_rollout_ref.model (verl's literal defaults point the critic at a model and tokenizer"
-        " the user never named when only the actor's path is set, and drop the actor's remote-code and"
-        " external-library settings).",
-    ),
-    Difference(
-        keys=("critic.ppo_micro_batch_size_per_gpu",),
-        kind="default",
-        reason="null instead of following critic.ppo_micro_batch_size: in verl, setting the deprecated global"
-        " key also sets the per-GPU one and then trips verl's own 'both are set' check.",
-    ),
 )
 
 # ${oc.select:key,default}; the default may itself be an interpolation (verl nests a second oc.select as the

@@ -145,6 +145,7 @@ def _defaults() -> dict[str, Any]:
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
             f"{CRITIC}.ppo_micro_batch_size_per_gpu=1",
             f"{REF}.log_prob_micro_batch_size_per_gpu=1",
+            "critic.model.path=~/models/deepseek-llm-7b-chat",  # verl's default, given: GAE uses the critic
         ]
     )
     return {f"{s}.{k}": v for s in SECTIONS for k, v in flatten_section(cfg, s)}
