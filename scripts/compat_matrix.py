@@ -132,6 +132,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "packed batches, static / dynamic CP", ("test_engine_packed_cpu",)),
     ("verl-engine", "PP, PP x VPP, PP x TP / CP", ("test_rl_engine_pipeline*", "test_gpu_pipeline")),
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
+    (
+        "verl-engine",
+        "mixture of experts: aux loss at DP / CP / dynamic CP",
+        ("test_rl_engine_moe*", "test_gpu_moe"),
+    ),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),
     ("verl-engine", "weights for rollout", ("test_rl_engine_export*",)),

@@ -97,8 +97,13 @@ CHUNKS: tuple[Chunk, ...] = (
     Chunk(
         "engine2",
         2,
-        ("tests/test_gpu_engine.py", "tests/test_gpu_engine_packed.py", "tests/test_gpu_pipeline.py"),
-        190,
+        (
+            "tests/test_gpu_engine.py",
+            "tests/test_gpu_engine_packed.py",
+            "tests/test_gpu_pipeline.py",
+            "tests/test_gpu_moe.py",
+        ),
+        230,
     ),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(

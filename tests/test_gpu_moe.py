@@ -1,0 +1,66 @@
+"""GPU, NCCL: Qwen3-MoE through megatron-core's schedule, DDP and token dispatcher; the aux loss at DP 2, CP 2
+and dynamic CP equals one GPU (the verl #6609 regression on the megatron backend).
+
+The CPU test (``tests/test_rl_engine_moe_cpu.py``) covers the engine's own loop; here megatron-core's schedule
+sets the aux-loss scale before every backward and the engine multiplies it by the pool size
+(:func:`verl_engine.moe.aux_loss_scale`), and megatron-core's DDP averages the gradients. fp32 without the
+distributed optimizer (every rank holds the whole reduced gradient), TF32 off by the engine's fp32 path:
+loss, metrics and every gradient within 1e-4 relative of one GPU (reduction order only; a missing pool
+factor is off by 2x, the #6609 bug by more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rl_engine_workers import mtp_step_layouts, verl_batch
+
+from verl_mcore_utils.testing import run_distributed
+
+A = "actor_rollout_ref.actor"
+AM = f"{A}.megatron"
+PROMPTS, RESPONSES = [3, 6, 1, 5], [7, 2, 5, 4]
+COMMON = [
+    "+actor_rollout_ref.actor.optim.override_optimizer_config.adam_eps=1e-3",
+    f"{AM}.dtype=float32",
+    f"{AM}.use_distributed_optimizer=false",
+    f"{A}.use_kl_loss=true",
+    f"{A}.entropy_coeff=0.01",
+]
+LAYOUTS = {
+    "dp2": [f"{A}.ppo_micro_batch_size_per_gpu=2"],
+    "cp2": [f"{AM}.context_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"],
+    "dynamic_cp": [
+        f"{A}.ppo_micro_batch_size_per_gpu=2",
+        f"{AM}.dynamic_context_parallel=true",
+        f"{AM}.max_seqlen_per_dp_cp_rank=8",
+    ],
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.num_gpus(2)
+def test_moe_aux_loss_on_two_gpus_matches_one_gpu(tmp_path) -> None:
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    model_dir = str(save_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=3, router_aux_loss_coef=0.1))
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    one = [["trainer.n_gpus_per_node=1", f"{A}.ppo_micro_batch_size_per_gpu=4", *COMMON]]
+    ((ref,),) = run_distributed(
+        mtp_step_layouts, world_size=1, backend="nccl", args=(model_dir, one, batch, 0, "cuda"), timeout_s=300
+    )
+    routers = [n for n in ref["grads"] if n.endswith("mlp.router.weight")]
+    assert routers and all(float(ref["grads"][n].abs().max()) > 0 for n in routers)
+    two = [["trainer.n_gpus_per_node=2", *COMMON, *v] for v in LAYOUTS.values()]
+    results = run_distributed(
+        mtp_step_layouts, world_size=2, backend="nccl", args=(model_dir, two, batch, 0, "cuda"), timeout_s=300
+    )
+    for rank_results in results:
+        for name, got in zip(LAYOUTS, rank_results, strict=True):
+            assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+            assert got["grads"].keys() == ref["grads"].keys(), name
+            worst = max(_rel(got["grads"][n], ref["grads"][n]) for n in ref["grads"])
+            assert worst < 1e-4, (name, worst)
