@@ -11,6 +11,7 @@ analysis cannot follow, so the pages list those by their defining module).
 from __future__ import annotations
 
 import ast
+import doctest
 import importlib
 import importlib.util
 import os
@@ -44,6 +45,18 @@ def page(dist: str) -> str:
 def example(dist: str) -> str:
     blocks = re.findall(r"^```python\n(.*?)^```", page(dist), flags=re.S | re.M)
     assert len(blocks) == 1, f"docs/packages/{dist}.md must hold exactly one runnable ```python example"
+    return blocks[0]
+
+
+def printed(dist: str) -> str:
+    """The output the page shows right after its example (a ```text title="prints"``` block)."""
+    blocks = re.findall(
+        r'^```python\n.*?^```\n\n[^\n]*\n\n```text title="prints"\n(.*?)^```', page(dist), flags=re.S | re.M
+    )
+    assert len(blocks) == 1, (
+        f"docs/packages/{dist}.md must show what its example prints right after it, fenced"
+        ' ```text title="prints"``` (after one sentence), with ... where digits vary'
+    )
     return blocks[0]
 
 
@@ -111,7 +124,13 @@ def test_example_runs(dist: str, running_examples: dict[str, subprocess.Popen[st
     proc = running_examples[dist]
     stdout, stderr = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
     assert proc.returncode == 0, f"docs/packages/{dist}.md's example failed:\n{stdout}\n{stderr}"
-    assert stdout.strip(), "the example prints what it shows"
+    want = printed(dist)
+    checker = doctest.OutputChecker()
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    assert checker.check_output(want, stdout, flags), (
+        f"docs/packages/{dist}.md shows other output than its example prints:\n"
+        + checker.output_difference(doctest.Example("", want), stdout, flags)
+    )
 
 
 def _module_file(module: str) -> Path | None:
