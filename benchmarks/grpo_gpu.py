@@ -28,22 +28,50 @@ from _record import write_record
 PHASES = ("sync", "generate", "old_log_prob", "ref_log_prob", "train")
 
 
-def run_variant(*, offload: bool, args: argparse.Namespace, workdir: Path) -> dict:
-    out = workdir / ("offload" if offload else "resident")
+# data parallel 2 under torchrun: the micro-batch per GPU of the README's DP-2 command (128 / DP does not divide)
+DP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"]
+
+
+def run_variant(*, name: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """``resident``, ``offload`` (one GPU) or ``dp2`` (two GPUs, torchrun, no offload)."""
+    out = workdir / name
+    launch = [sys.executable, "-m", "verl_engine"]
+    if name == "dp2":
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "verl_engine",
+        ]
+    model = (
+        []
+        if args.cli_defaults
+        else [
+            "--hidden-size",
+            str(args.hidden_size),
+            "--layers",
+            str(args.layers),
+            "--warmup-lr",
+            str(args.warmup_lr),
+        ]
+    )
     cmd = [
-        sys.executable, "-m", "verl_engine", "grpo", "--out", str(out), "--device", "cuda",
-        "--hidden-size", str(args.hidden_size), "--layers", str(args.layers),
-        "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--warmup-lr", str(args.warmup_lr),
-        "--no-progress", "--no-plot", *(["--offload"] if offload else []),
-        "trainer.test_freq=10", "trainer.save_freq=0", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        *launch, "grpo", "--out", str(out), "--device", "cuda", *model,
+        "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+        "--no-progress", "--no-plot", *(["--offload"] if name == "offload" else []),
+        "trainer.test_freq=10", "trainer.save_freq=0", *(DP2 if name == "dp2" else []),
+        *([] if args.cli_defaults else [f"actor_rollout_ref.actor.optim.lr={args.lr}"]),
     ]  # fmt: skip
+    offload = name == "offload"
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode:
-        raise SystemExit(
-            f"{'offload' if offload else 'resident'} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+        raise SystemExit(f"{name} failed (offload={offload}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
     records = [r for r in records if "reward_mean" in r]  # the training steps (step 0: the warm start's eval)
@@ -78,14 +106,25 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--warmup-lr", type=float, default=1e-4)
     parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument(
+        "--variants", default="resident,offload", help="comma list of resident, offload (1 GPU), dp2 (2 GPUs)"
+    )
+    parser.add_argument(
+        "--cli-defaults",
+        action="store_true",
+        help="the grpo command's own model and learning rates (the README's CPU run, on GPUs); ignores"
+        " --hidden-size/--layers/--warmup-lr/--lr",
+    )
     args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = set(names) - {"resident", "offload", "dp2"}
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from resident, offload, dp2")
     with tempfile.TemporaryDirectory() as tmp:
-        variants = {
-            name: run_variant(offload=name == "offload", args=args, workdir=Path(tmp))
-            for name in ("resident", "offload")
-        }
+        variants = {name: run_variant(name=name, args=args, workdir=Path(tmp)) for name in names}
     props = torch.cuda.get_device_properties(0)
-    params = 12 * args.hidden_size**2 * args.layers  # attention (GQA) + MLP (4x), roughly
+    hidden, layers = (128, 2) if args.cli_defaults else (args.hidden_size, args.layers)  # grpo's defaults
+    params = 12 * hidden**2 * layers  # attention (GQA) + MLP (4x), roughly
     result = write_record(
         args.out,
         benchmark="grpo_gpu",
