@@ -144,44 +144,33 @@ def as_dims(hf_config: Mapping[str, Any] | Any) -> HFDims:
     return hf_config if isinstance(hf_config, HFDims) else HFDims.from_hf_config(hf_config)
 
 
+def _layer_mapping(
+    layer: int, meg: str, hf: tuple[str, ...], fusion: Fusion, tp_dim: int | None, **fmt: int
+) -> ParamMapping:
+    """One row of a layer table for decoder layer ``layer``; ``fmt`` fills placeholders such as ``{e}``."""
+    return ParamMapping(
+        f"decoder.layers.{layer}.{meg.format(**fmt)}",
+        tuple(f"model.layers.{layer}.{h.format(**fmt)}" for h in hf),
+        fusion,
+        tp_dim,
+    )
+
+
 def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
     """The mappings of decoder layer ``layer`` (global 0-based index), in a fixed order."""
     dims = as_dims(hf_config)
-    out = []
-    for meg, hf, fusion, tp_dim, needs in _LAYER_TABLE:
-        if needs is not None and not getattr(dims, needs):
-            continue
-        out.append(
-            ParamMapping(
-                f"decoder.layers.{layer}.{meg}",
-                tuple(f"model.layers.{layer}.{h}" for h in hf),
-                fusion,
-                tp_dim,
-            )
-        )
+    out = [
+        _layer_mapping(layer, meg, hf, fusion, tp_dim)
+        for meg, hf, fusion, tp_dim, needs in _LAYER_TABLE
+        if needs is None or getattr(dims, needs)
+    ]
     if not dims.num_experts:
         return out
     router = [row for row in _MOE_TABLE if "{e}" not in row[0]]  # once per layer
     per_expert = [row for row in _MOE_TABLE if "{e}" in row[0]]
-    for meg, hf, fusion, tp_dim in router:
-        out.append(
-            ParamMapping(
-                f"decoder.layers.{layer}.{meg}",
-                tuple(f"model.layers.{layer}.{h}" for h in hf),
-                fusion,
-                tp_dim,
-            )
-        )
+    out.extend(_layer_mapping(layer, *row) for row in router)
     for expert in range(dims.num_experts):
-        for meg, hf, fusion, tp_dim in per_expert:
-            out.append(
-                ParamMapping(
-                    f"decoder.layers.{layer}.{meg.format(e=expert)}",
-                    tuple(f"model.layers.{layer}.{h.format(e=expert)}" for h in hf),
-                    fusion,
-                    tp_dim,
-                )
-            )
+        out.extend(_layer_mapping(layer, *row, e=expert) for row in per_expert)
     return out
 
 
