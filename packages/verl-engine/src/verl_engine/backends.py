@@ -101,12 +101,12 @@ def _moe_aux_loss_scale(
 ) -> contextlib.AbstractContextManager[None]:
     """The aux-loss scale of a mixture-of-experts model for this call (:func:`verl_engine.moe.aux_loss_scale`);
     nothing for a dense model or a forward-only call."""
-    if getattr(engine, "moe", None) is None or forward_only:
+    if engine.moe is None or forward_only:
         return contextlib.nullcontext()
     from verl_engine.moe import aux_loss_scale
 
     return aux_loss_scale(
-        pool_size=engine.moe.pool_size, num_micro_batches=num_micro_batches, schedule_sets_it=schedule_sets_it
+        pool_size=engine.pool_size, num_micro_batches=num_micro_batches, schedule_sets_it=schedule_sets_it
     )
 
 

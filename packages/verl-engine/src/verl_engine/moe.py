@@ -50,15 +50,10 @@ class MoeRouting:
     """How the engine feeds a model's routers.
 
     ``padding_mask``: pass megatron-core's ``padding_mask`` (True at padding) with every forward, so that
-    padding is neither balanced nor counted. ``pool_size``: ranks sharing each micro-batch (the DP x CP pool).
+    padding is neither balanced nor counted. The aux-loss scale's pool size is the engine's own ``pool_size``.
     """
 
     padding_mask: bool
-    pool_size: int
-
-    def __post_init__(self) -> None:
-        if self.pool_size < 1:
-            raise ValueError(f"MoeRouting.pool_size must be >= 1, got {self.pool_size}")
 
 
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -129,7 +124,7 @@ def moe_routing(
         )
     if problems:
         raise NotImplementedError(f"model {model_name}, {experts} experts: " + "; ".join(problems))
-    return MoeRouting(padding_mask=padding_mask_supported(), pool_size=pool_size)
+    return MoeRouting(padding_mask=padding_mask_supported())
 
 
 @contextlib.contextmanager
