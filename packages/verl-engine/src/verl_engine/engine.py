@@ -478,7 +478,10 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         layout = self.cp_layout
         groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
         splits = self.micro_batching.split(
-            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+            batch.packed.seq_lens,
+            pool=self.pool_size,
+            groups_per_pool=groups_per_pool,
+            cp=(layout, self.cp_workload),
         )
         if self.pipeline.num_chunks > 1:
             splits = split_to_multiple(splits, multiple=self.pipeline.size)
