@@ -38,13 +38,15 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).abs().max() / scale) if scale > 0 else float(got.abs().max())
 
 
-def _build(path: str, grouped: bool) -> Any:
+def _build(path: str, grouped: bool, **overrides: Any) -> Any:
     from verl_mcore_utils.model import build_gpt_model
     from verl_mcore_utils.transformer_config import hf_to_transformer_config
     from verl_mcore_utils.weights import load_hf_weights
 
     config = json.loads((Path(path) / "config.json").read_text())
-    tf = hf_to_transformer_config(config, dtype="float32", overrides={"moe_grouped_gemm": grouped})
+    tf = hf_to_transformer_config(
+        config, dtype="float32", overrides={"moe_grouped_gemm": grouped, **overrides}
+    )
     model = build_gpt_model(hf_config=config, tf_config=tf, device="cpu")
     load_hf_weights(model, path, hf_config=config)
     return model, config
@@ -58,15 +60,15 @@ def _expert_step(experts: torch.nn.Module, hidden: torch.Tensor, probs: torch.Te
     return {"out": out.detach(), "bias": bias, "d_hidden": hidden.grad, "d_probs": probs.grad}
 
 
-def _modules_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+def _modules_worker(rank: int, world_size: int, path: str, overrides: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from verl_mcore_utils.grouped_experts import GroupedExperts
     from verl_mcore_utils.parallel import init_parallel
 
     init_parallel(device="cpu")
-    seq_model, _ = _build(path, grouped=False)
-    grp_model, _ = _build(path, grouped=True)
+    seq_model, _ = _build(path, grouped=False, **overrides)
+    grp_model, _ = _build(path, grouped=True, **overrides)
     seq = seq_model.decoder.layers[0].mlp.experts
     grp = grp_model.decoder.layers[0].mlp.experts
     assert isinstance(grp, GroupedExperts) and not isinstance(seq, GroupedExperts)
@@ -85,9 +87,16 @@ def _modules_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
     return {"ref": ref, "got": got, "names": names}
 
 
-def test_grouped_experts_match_sequential_forward_and_backward(tmp_path: Path) -> None:
-    path = str(save_tiny_hf_model("qwen3_moe", tmp_path / "hf", seed=11))
-    (res,) = run_distributed(_modules_worker, world_size=1, args=(path,))
+@pytest.mark.parametrize(
+    ("hf_overrides", "overrides"),
+    [({}, {}), ({"num_experts_per_tok": 1}, {"moe_apply_probs_on_input": True})],
+    ids=["top2", "top1-probs-on-input"],
+)
+def test_grouped_experts_match_sequential_forward_and_backward(
+    tmp_path: Path, hf_overrides: dict, overrides: dict
+) -> None:
+    path = str(save_tiny_hf_model("qwen3_moe", tmp_path / "hf", seed=11, **hf_overrides))
+    (res,) = run_distributed(_modules_worker, world_size=1, args=(path, overrides))
     ref, got = res["ref"], res["got"]
     assert res["names"] == ["linear_fc1_weight", "linear_fc2_weight"]
     assert ref["bias"] is None and got["bias"] is None
@@ -143,6 +152,39 @@ def test_qwen3_moe_with_grouped_experts_matches_transformers_and_exports_the_che
     assert err <= REL_TOL, err
     assert got["exported"] == got["originals"]
     assert got["exact"] == got["originals"]
+
+
+def _swap_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from verl_mcore_utils.grouped_experts import swap_in_grouped_experts
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.weights import export_hf_weights
+
+    init_parallel(device="cpu")
+    model, config = _build(path, grouped=False)
+    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=TOKENS, position_ids=positions, attention_mask=None)
+        swapped = swap_in_grouped_experts(model)
+        after = model(input_ids=TOKENS, position_ids=positions, attention_mask=None)
+    exported = sorted(dict(export_hf_weights(model, hf_config=config)))
+    names = sorted(n for n, _ in model.named_parameters() if ".experts." in n)
+    parallel_state.destroy_model_parallel()
+    return {"before": before, "after": after, "swapped": swapped, "exported": exported, "names": names}
+
+
+def test_swap_in_grouped_experts_keeps_the_model(tmp_path: Path) -> None:
+    """A model built with sequential experts, swapped after the build: same logits, same HF export names."""
+    path = str(save_tiny_hf_model("qwen3_moe", tmp_path / "hf", seed=11))
+    (got,) = run_distributed(_swap_worker, world_size=1, args=(path,))
+    assert got["swapped"] == 2
+    assert got["names"] == [
+        f"decoder.layers.{i}.mlp.experts.linear_fc{j}_weight" for i in (0, 1) for j in (1, 2)
+    ]
+    assert _rel_err(got["after"], got["before"]) <= REL_TOL
+    assert len([n for n in got["exported"] if ".experts." in n]) == 2 * 4 * 3
 
 
 def _config(**overrides: Any) -> SimpleNamespace:
