@@ -133,10 +133,7 @@ class GroupedExperts(MegatronModule):
         self.linear_fc2_weight = torch.nn.Parameter(
             torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
         )
-        # megatron-core's expert linears: gradients reduced over the expert-data-parallel group under EP
-        expert_parallel = (getattr(config, "expert_model_parallel_size", 1) or 1) > 1
-        for param in (self.linear_fc1_weight, self.linear_fc2_weight):
-            param.allreduce = not expert_parallel
+        self._mark_parameters()
         if config.perform_initialization:
             with torch.no_grad():
                 for e in range(
@@ -144,6 +141,20 @@ class GroupedExperts(MegatronModule):
                 ):  # per expert, as each ColumnParallel/RowParallelLinear does
                     config.init_method(self.linear_fc1_weight[e])
                     config.output_layer_init_method(self.linear_fc2_weight[e])
+
+    def _mark_parameters(self) -> None:
+        """The attributes megatron-core's expert linears carry, which its DDP and gradient norm read.
+
+        ``allreduce=False`` under EP: the gradient is reduced over the expert-data-parallel group, not the
+        whole data-parallel group. Tensor-parallel attributes as megatron's column / row parallel linears
+        (expert TP is 1, so every rank's copy counts once in the gradient norm).
+        """
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        expert_parallel = (getattr(self.config, "expert_model_parallel_size", 1) or 1) > 1
+        for param, dim in ((self.linear_fc1_weight, 1), (self.linear_fc2_weight, 2)):
+            param.allreduce = not expert_parallel
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
     def _activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
@@ -214,17 +225,17 @@ def swap_in_grouped_experts(model: torch.nn.Module) -> int:
                 continue
             experts = child.local_experts
             config = child.config
-            first = experts[0].linear_fc1.weight
             grouped = GroupedExperts.__new__(GroupedExperts)
             MegatronModule.__init__(grouped, config=config)
             _refuse_unsupported(config)
             grouped.num_local_experts = len(experts)
-            fc1 = torch.stack([e.linear_fc1.weight for e in experts]).to(first.device)
-            fc2 = torch.stack([e.linear_fc2.weight for e in experts]).to(first.device)
-            grouped.linear_fc1_weight = torch.nn.Parameter(fc1)
-            grouped.linear_fc2_weight = torch.nn.Parameter(fc2)
-            for param in (grouped.linear_fc1_weight, grouped.linear_fc2_weight):
-                param.allreduce = getattr(first, "allreduce", True)
+            grouped.linear_fc1_weight = torch.nn.Parameter(
+                torch.stack([e.linear_fc1.weight for e in experts])
+            )
+            grouped.linear_fc2_weight = torch.nn.Parameter(
+                torch.stack([e.linear_fc2.weight for e in experts])
+            )
+            grouped._mark_parameters()
             setattr(module, child_name, grouped)
             count += 1
     return count
@@ -241,9 +252,8 @@ def use_grouped_experts(layer_spec: Any) -> Any:
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    mlp = (
-        layer_spec.submodules.mlp
-    )  # a ModuleSpec (0.14) or functools.partial(MoELayer, submodules=...) (0.19)
+    # the MoE layer: a ModuleSpec (0.14) or functools.partial(MoELayer, submodules=...) (0.19)
+    mlp = layer_spec.submodules.mlp
     moe = mlp.submodules if isinstance(mlp, ModuleSpec) else mlp.keywords["submodules"]
     if isinstance(moe.experts, ModuleSpec):
         moe.experts = ModuleSpec(module=GroupedExperts, submodules=moe.experts.submodules)
