@@ -73,6 +73,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "core attention without Transformer Engine", ("test_core_attention",)),
     ("verl-mcore-utils", "HF weights: load, export (TP, PP)", ("test_weights",)),
     ("verl-mcore-utils", "mixture-of-experts models (Qwen3-MoE): HF parity, weights", ("test_moe",)),
+    (
+        "verl-mcore-utils",
+        "grouped experts without Transformer Engine (torch._grouped_mm)",
+        ("test_grouped_experts", "test_gpu_grouped_experts"),
+    ),
     ("verl-mcore-utils", "LoRA with peft, HF adapters", ("test_lora",)),
     ("verl-mcore-utils", "offload / onload", ("test_offload",)),
     ("verl-mcore-utils", "fused SwiGLU MLP (Triton)", ("test_swiglu", "test_gpu_swiglu")),
@@ -136,6 +141,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "verl-engine",
         "mixture of experts: aux loss at DP / CP / dynamic CP",
         ("test_rl_engine_moe*", "test_gpu_moe"),
+    ),
+    (
+        "verl-engine",
+        "grouped experts (moe_grouped_gemm) vs sequential: one PPO step",
+        ("test_rl_engine_grouped_experts*",),
     ),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),
