@@ -160,9 +160,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
+    from megatron.core import tensor_parallel
+
     from verl_mcore_utils.parallel import init_parallel
 
     init_parallel(device="cuda")
+    # megatron-core initialises GPU weights under its RNG tracker
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
     for name in args.cases:

@@ -51,7 +51,7 @@ def _step(module, x, probs, counts, grad) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     import torch.nn.functional as F
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -62,6 +62,8 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     from verl_mcore_utils.parallel import init_parallel
 
     init_parallel(device="cuda")
+    # megatron-core initialises GPU weights under its RNG tracker
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
