@@ -24,6 +24,7 @@ from verl_engine.mtp import MtpSettings
 from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
 from verl_engine.refusals import check_supported
+from verl_engine.router_replay import install_router_replay, router_replay_settings
 
 __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
 
@@ -118,6 +119,13 @@ def build_rl_engine(
         mtp_layers=model.mtp_layers,
         model_name=f"{model.path or '(hf_config)'} ({model.hf.get('model_type')!r})",
     )
+    replay = router_replay_settings(
+        engine.router_replay,
+        tf_config=tf_config,
+        trains=trains,
+        use_remove_padding=engine.use_remove_padding,
+        pp=parallel.pp,
+    )
     chunks = _model_chunks(engine, model=model, tf_config=tf_config, device=device, trains=trains)
     if moe is not None:
         from megatron.core import parallel_state
@@ -134,7 +142,7 @@ def build_rl_engine(
         tf_config=tf_config,
         total_training_steps=total_training_steps,
     )
-    return _assemble(
+    rl = _assemble(
         chunks,
         engine=engine,
         model=model,
@@ -150,6 +158,7 @@ def build_rl_engine(
         moe=moe,
         engine_class=engine_class,
     )
+    return install_router_replay(rl, replay)
 
 
 def _model_config(
