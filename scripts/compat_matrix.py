@@ -147,6 +147,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "grouped experts (moe_grouped_gemm) vs sequential: one PPO step",
         ("test_rl_engine_grouped_experts*",),
     ),
+    (
+        "verl-engine",
+        "mixture of experts: router replay (R2 / R3)",
+        ("test_rl_engine_router_replay*",),
+    ),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),
     ("verl-engine", "weights for rollout", ("test_rl_engine_export*",)),

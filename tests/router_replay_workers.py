@@ -9,6 +9,7 @@ import torch
 from rl_engine_workers import _engine
 
 AM = "actor_rollout_ref.actor.megatron"
+ONE = "trainer.n_gpus_per_node=1"
 
 
 def perturb_routers(engine: Any, *, scale: float, seed: int = 11) -> None:
@@ -124,16 +125,14 @@ def _probe_errors(seen: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def r3_run(
-    rank: int, world_size: int, model_dir: str, batch: dict[str, Any], scale: float
-) -> dict[str, Any]:
+def r3_run(rank: int, world_size: int, model_dir: str, batch: dict[str, Any], scale: float) -> dict[str, Any]:
     """Routes recorded by an R2 engine, replayed by an R3 engine (perturbed routers), jagged and padded."""
     from verl_engine.router_replay import keep_seen
 
     keep_seen(True)
-    recorder, _ = _engine([f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
+    recorder, _ = _engine([ONE, f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
     routes = _infer(recorder, batch)["routed_experts"]
-    engine, cfg = _engine([f"{AM}.router_replay.mode=R3"], "actor", model_dir, "cpu")
+    engine, cfg = _engine([ONE, f"{AM}.router_replay.mode=R3"], "actor", model_dir, "cpu")
     perturb_routers(engine, scale=scale)
     out: dict[str, Any] = {"routes": routes}
     try:
@@ -145,8 +144,14 @@ def r3_run(
     # the rollout's jagged layout without a route for the last token of each sequence (verl's R3 alignment)
     mask = batch["attention_mask"].bool()
     parts = [routes[i][mask[i]][:-1] for i in range(mask.shape[0])]
-    ids = torch.nested.nested_tensor([batch["input_ids"][i][mask[i]] for i in range(mask.shape[0])], layout=torch.jagged)
-    jagged = {**batch, "input_ids": ids, "routed_experts": torch.nested.nested_tensor(parts, layout=torch.jagged)}
+    ids = torch.nested.nested_tensor(
+        [batch["input_ids"][i][mask[i]] for i in range(mask.shape[0])], layout=torch.jagged
+    )
+    jagged = {
+        **batch,
+        "input_ids": ids,
+        "routed_experts": torch.nested.nested_tensor(parts, layout=torch.jagged),
+    }
     out["jagged"] = _infer(engine, jagged)
     out["seen_jagged"] = [[t.cpu() for t in per] for per in engine.router_replay.seen_routes()]
     out["train"] = _train(engine, cfg, {**batch, "routed_experts": routes})
@@ -155,9 +160,24 @@ def r3_run(
 
 def update_without_routes(rank: int, world_size: int, model_dir: str, batch: dict[str, Any]) -> str:
     """The R2 update called without routed_experts: the message of its error."""
-    engine, cfg = _engine([f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
+    engine, cfg = _engine([ONE, f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
     try:
         _train(engine, cfg, batch)
     except ValueError as error:
         return str(error)
     raise AssertionError("an R2 update without routed_experts ran")
+
+
+def unreplayed_router_error(rank: int, world_size: int, model_dir: str, batch: dict[str, Any]) -> str:
+    """A replaying forward in which layer 2's router routes on its own (its wrapper removed, as if it were a
+    router the engine never found): the message of the error the forward raises."""
+    from verl_engine.router_replay import decoder_routers
+
+    engine, _ = _engine([ONE, f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
+    routes = _infer(engine, batch)["routed_experts"]
+    del decoder_routers(engine.chunks)[1].__dict__["routing"]
+    try:
+        _infer(engine, {**batch, "routed_experts": routes})
+    except RuntimeError as error:
+        return str(error)
+    raise AssertionError("a forward with a router that did not replay ran")

@@ -24,7 +24,11 @@ from verl_engine.mtp import MtpSettings
 from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
 from verl_engine.refusals import check_supported
-from verl_engine.router_replay import install_router_replay, router_replay_settings
+from verl_engine.router_replay import (
+    install_router_replay,
+    refuse_router_replay_layout,
+    router_replay_settings,
+)
 
 __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
 
@@ -108,6 +112,12 @@ def build_rl_engine(
         value_model=value_model,
     )
     debug = device.type == "cpu"
+    refuse_router_replay_layout(
+        engine.router_replay,
+        trains=optim is not None and not engine.forward_only,
+        use_remove_padding=engine.use_remove_padding,
+        pp=engine.pipeline_model_parallel_size,
+    )
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
     trains = optim is not None and not engine.forward_only
     tf_config = _transformer_config(engine, model=model, parallel=parallel, device=device, trains=trains)
@@ -119,13 +129,7 @@ def build_rl_engine(
         mtp_layers=model.mtp_layers,
         model_name=f"{model.path or '(hf_config)'} ({model.hf.get('model_type')!r})",
     )
-    replay = router_replay_settings(
-        engine.router_replay,
-        tf_config=tf_config,
-        trains=trains,
-        use_remove_padding=engine.use_remove_padding,
-        pp=parallel.pp,
-    )
+    replay = router_replay_settings(engine.router_replay, tf_config=tf_config, trains=trains)
     chunks = _model_chunks(engine, model=model, tf_config=tf_config, device=device, trains=trains)
     if moe is not None:
         from megatron.core import parallel_state

@@ -40,7 +40,13 @@ import torch
 
 from verl_engine.rl_batch import RLBatch, is_jagged, read_scalar
 
-__all__ = ["ReplaySettings", "RouterReplayMixin", "install_router_replay", "router_replay_settings"]
+__all__ = [
+    "ReplaySettings",
+    "RouterReplayMixin",
+    "install_router_replay",
+    "refuse_router_replay_layout",
+    "router_replay_settings",
+]
 
 KEY = "routed_experts"
 _MODE = "megatron.router_replay.mode"
@@ -56,21 +62,38 @@ class ReplaySettings:
     num_layers: int
 
 
-def router_replay_settings(
-    config: Any, *, tf_config: Any, trains: bool, use_remove_padding: bool, pp: int
-) -> ReplaySettings | None:
+def refuse_router_replay_layout(config: Any, *, trains: bool, use_remove_padding: bool, pp: int) -> None:
+    """The section's own refusals (files, layout), before any parallel state or model exists."""
+    mode = getattr(config, "mode", "disabled")
+    if mode == "disabled":
+        return
+    problems = [
+        f"megatron.router_replay.{key}={getattr(config, key)!r}: verl 0.9.1 declares it but never reads it"
+        " (routes travel in the batch as routed_experts); set it to null"
+        for key in ("record_file", "replay_file")
+        if getattr(config, key, None) is not None
+    ]
+    if trains and pp > 1:
+        problems.append(
+            f"megatron.pipeline_model_parallel_size={pp}: the routes of every stage's routers would have to be"
+            " gathered over the pipeline; not done yet (and megatron-core's all-gather token dispatcher, the"
+            " one that runs without CUDA streams, refuses pipeline stages)"
+        )
+    if trains and not use_remove_padding:
+        problems.append(
+            "megatron.use_remove_padding=false: replay follows the packed (THD) token order, as verl's"
+        )
+    if problems:
+        raise NotImplementedError(f"{_MODE}={mode}: " + "; ".join(problems))
+
+
+def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> ReplaySettings | None:
     """The engine's replay settings from its ``megatron.router_replay`` section (None: no replay). Raises
-    NotImplementedError naming every setting it cannot replay exactly, before any model is built."""
+    NotImplementedError naming every setting it cannot replay exactly, before any model is built (after
+    :func:`refuse_router_replay_layout`)."""
     mode = getattr(config, "mode", "disabled")
     if mode == "disabled":
         return None
-    problems = []
-    for key in ("record_file", "replay_file"):
-        if getattr(config, key, None) is not None:
-            problems.append(
-                f"megatron.router_replay.{key}={getattr(config, key)!r}: verl 0.9.1 declares it but never reads it"
-                " (routes travel in the batch as routed_experts); set it to null"
-            )
     experts = getattr(tf_config, "num_moe_experts", None)
     if not experts:
         raise NotImplementedError(
@@ -79,74 +102,63 @@ def router_replay_settings(
         )
     if not trains:  # the reference policy / forward-only engines: verl never replays there either
         return None
+    c = tf_config
+    ep = getattr(c, "expert_model_parallel_size", 1)
+    fusion = getattr(c, "moe_router_fusion", False)
+    native = getattr(c, "moe_enable_routing_replay", False)
+    balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
     checks = {
-        "megatron.pipeline_model_parallel_size": (
-            pp,
-            pp == 1,
-            "the routes of every stage's routers would have to be gathered over the pipeline; not done yet",
-        ),
         "megatron.expert_model_parallel_size": (
-            getattr(tf_config, "expert_model_parallel_size", 1),
-            getattr(tf_config, "expert_model_parallel_size", 1) == 1,
+            ep,
+            ep == 1,
             "replay is not tested under expert parallelism yet",
         ),
-        "megatron.use_remove_padding": (
-            use_remove_padding,
-            use_remove_padding,
-            "replay follows the packed (THD) token order, as verl requires",
-        ),
         "megatron.sequence_parallel": (
-            tf_config.sequence_parallel,
-            not tf_config.sequence_parallel,
+            c.sequence_parallel,
+            not c.sequence_parallel,
             "the routers would see a TP slice of the tokens; not done yet",
         ),
         "moe_router_fusion": (
-            getattr(tf_config, "moe_router_fusion", False),
-            not getattr(tf_config, "moe_router_fusion", False),
+            fusion,
+            not fusion,
             "the fused router has no replay hook (verl refuses it too)",
         ),
         "moe_router_load_balancing_type": (
-            tf_config.moe_router_load_balancing_type,
-            tf_config.moe_router_load_balancing_type
-            in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+            c.moe_router_load_balancing_type,
+            c.moe_router_load_balancing_type in balancing,
             "only top-k routing is replayed",
         ),
         "moe_router_group_topk": (
-            tf_config.moe_router_group_topk,
-            not tf_config.moe_router_group_topk,
+            c.moe_router_group_topk,
+            not c.moe_router_group_topk,
             "group-limited top-k is not replayed yet",
         ),
         "moe_router_enable_expert_bias": (
-            tf_config.moe_router_enable_expert_bias,
-            not tf_config.moe_router_enable_expert_bias,
+            c.moe_router_enable_expert_bias,
+            not c.moe_router_enable_expert_bias,
             "expert bias is not replayed yet",
         ),
         "moe_router_score_function": (
-            tf_config.moe_router_score_function,
-            tf_config.moe_router_score_function in ("softmax", "sigmoid"),
+            c.moe_router_score_function,
+            c.moe_router_score_function in ("softmax", "sigmoid"),
             "only softmax and sigmoid scores are replayed",
         ),
         "moe_expert_capacity_factor": (
-            tf_config.moe_expert_capacity_factor,
-            tf_config.moe_expert_capacity_factor is None,
+            c.moe_expert_capacity_factor,
+            c.moe_expert_capacity_factor is None,
             "token dropping would drop replayed routes",
         ),
         "moe_enable_routing_replay": (
-            getattr(tf_config, "moe_enable_routing_replay", False),
-            not getattr(tf_config, "moe_enable_routing_replay", False),
+            native,
+            not native,
             "megatron-core's own replay would run beside the engine's",
         ),
     }
-    for key, (value, ok, why) in checks.items():
-        if not ok:
-            problems.append(f"{key}={value}: {why}")
+    problems = [f"{key}={value}: {why}" for key, (value, ok, why) in checks.items() if not ok]
     if problems:
         raise NotImplementedError(f"{_MODE}={mode}: " + "; ".join(problems))
     return ReplaySettings(
-        mode=mode,
-        num_experts=int(experts),
-        topk=int(tf_config.moe_router_topk),
-        num_layers=tf_config.num_layers,
+        mode=mode, num_experts=int(experts), topk=int(c.moe_router_topk), num_layers=c.num_layers
     )
 
 
