@@ -20,11 +20,12 @@ A = "actor_rollout_ref.actor"
 AM = f"{A}.megatron"
 PROMPTS, RESPONSES = [3, 6, 1, 5], [7, 2, 5, 4]
 SCALE = 0.3  # router weight noise: 13 of the 33 tokens choose other experts afterwards
+# TP 2 with an MoE model is refused by verl_mcore_utils.transformer_config (not supported yet), EP > 1 by
+# verl_engine.config_support, PP by the replay itself (test_unsupported_replay_settings_are_refused_by_name)
 TWO_RANK_LAYOUTS = {
     "dp2": [],
     "cp2": [f"{AM}.context_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"],
     "dynamic_cp": [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=8"],
-    "tp2": [f"{AM}.tensor_model_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"],
 }
 
 
@@ -142,7 +143,9 @@ def test_r3_replays_the_routes_given_in_the_batch(moe_dir: str, batch: dict) -> 
     assert float((jagged - padded).abs().max()) <= 1e-6
 
 
-def test_replay_under_dp_cp_dynamic_cp_and_tp_equals_one_rank(moe_dir: str, batch: dict, tmp_path) -> None:
+def test_replay_under_dp_static_cp_and_dynamic_cp_equals_one_rank(
+    moe_dir: str, batch: dict, tmp_path
+) -> None:
     from verl_engine.moe import padding_mask_supported
 
     # megatron-core < 0.16 refuses the aux loss with padding (verl_engine.moe): replay itself needs no padding mask
@@ -160,11 +163,7 @@ def test_replay_under_dp_cp_dynamic_cp_and_tp_equals_one_rank(moe_dir: str, batc
                 assert _rel(result[call]["log_probs"], one[call]["log_probs"]) < 1e-5, (name, rank, call)
             got_train, want = result["replay_train"], one["replay_train"]
             assert abs(got_train["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (name, rank)
-            if name == "tp2":  # TP shards: compare the replicated router weights' gradients
-                names = [n for n in want["grads"] if n.endswith("mlp.router.weight")]
-            else:
-                names = list(want["grads"])
-            for n in names:
+            for n in want["grads"]:
                 assert _rel(got_train["grads"][n], want["grads"][n]) < 1e-5, (name, rank, n)
 
 

@@ -401,20 +401,18 @@ class RouterReplayMixin:
 
 
 def _set_targets(replay: RouterReplay, routes: _CallRoutes, mb: Any) -> None:
-    """Every router's targets for this rank's share of micro-batch ``mb`` (meta.take: the model's token order)."""
+    """Every router's targets for this rank's share of micro-batch ``mb``, in the model's token order
+    (verl-dyncp's ``dynamic_cp_take``: the same rows the model's input and labels come from). An idle group's
+    dummy sequence and THD padding keep their own routing (mask False): nothing of them is kept."""
+    from verl_dyncp.planner import dynamic_cp_take
+
     assert routes.routes is not None and routes.mask is not None and routes.batch is not None
+    cu = routes.batch.packed.cu_seqlens
+    index = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in mb.indices])
     split = mb.split
+    local = dynamic_cp_take(routes.routes.index_select(0, index), micro_batch=split, pad_value=0)
+    mask = dynamic_cp_take(routes.mask.index_select(0, index), micro_batch=split, pad_value=False)
     device = split.batch.input_ids.device
-    if split.is_dummy:  # an idle group's dummy sequence: its own routing, nothing of it is kept
-        n = split.batch.input_ids.shape[0]
-        local = torch.zeros((n, routes.routes.shape[1], replay.settings.topk), dtype=torch.int64)
-        mask = torch.zeros(n, dtype=torch.bool)
-    else:
-        cu = routes.batch.packed.cu_seqlens
-        index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in mb.indices])
-        meta = split.batch.meta
-        local = meta.take(routes.routes.index_select(0, index), pad_value=0)
-        mask = meta.take(routes.mask.index_select(0, index), pad_value=False)
     local, mask = local.to(device), mask.to(device)
     for state, row in zip(replay.states, routes.rows, strict=True):
         state.targets, state.mask = local[:, row], mask
