@@ -112,12 +112,7 @@ def build_rl_engine(
         value_model=value_model,
     )
     debug = device.type == "cpu"
-    refuse_router_replay_layout(
-        engine.router_replay,
-        trains=optim is not None and not engine.forward_only,
-        use_remove_padding=engine.use_remove_padding,
-        pp=engine.pipeline_model_parallel_size,
-    )
+    refuse_router_replay_layout(engine, trains=optim is not None and not engine.forward_only)
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
     trains = optim is not None and not engine.forward_only
     tf_config = _transformer_config(engine, model=model, parallel=parallel, device=device, trains=trains)

@@ -62,8 +62,13 @@ class ReplaySettings:
     num_layers: int
 
 
-def refuse_router_replay_layout(config: Any, *, trains: bool, use_remove_padding: bool, pp: int) -> None:
-    """The section's own refusals (files, layout), before any parallel state or model exists."""
+def refuse_router_replay_layout(engine: Any, *, trains: bool) -> None:
+    """The megatron section's replay refusals (files, layout), before any parallel state or model exists."""
+    config, pp, use_remove_padding = (
+        engine.router_replay,
+        engine.pipeline_model_parallel_size,
+        engine.use_remove_padding,
+    )
     mode = getattr(config, "mode", "disabled")
     if mode == "disabled":
         return
