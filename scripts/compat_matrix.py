@@ -150,7 +150,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "verl-engine",
         "mixture of experts: router replay (R2 / R3)",
-        ("test_rl_engine_router_replay*",),
+        ("test_rl_engine_router_replay*", "test_gpu_router_replay"),
     ),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),

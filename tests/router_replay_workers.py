@@ -71,6 +71,7 @@ def replay_run(
     batch: dict[str, Any],
     scale: float,
     probe: bool = False,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Per layout (mode R2): record (old log-probs), perturb the routers by ``scale``, then the native
     forward, the replayed forward and the replayed / native training step."""
@@ -79,7 +80,7 @@ def replay_run(
     keep_seen(True)
     out = []
     for overrides in layouts:
-        engine, cfg = _engine([*overrides, f"{AM}.router_replay.mode=R2"], "actor", model_dir, "cpu")
+        engine, cfg = _engine([*overrides, f"{AM}.router_replay.mode=R2"], "actor", model_dir, device)
         result: dict[str, Any] = {"recorded": _infer(engine, batch)}
         routes = result["recorded"]["routed_experts"]
         result["native_train"] = _train(engine, cfg, {**batch, "enable_routing_replay": False})
