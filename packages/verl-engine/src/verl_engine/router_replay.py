@@ -206,6 +206,11 @@ def _topk_routing(logits: torch.Tensor, topk: int, *args: Any, **kwargs: Any) ->
         chosen = probs.detach().float().masked_fill(~routing_map, float("-inf")).topk(topk, dim=1).indices
         state.recorded.append(chosen)
         return probs, routing_map
+    if args:  # megatron-core 0.14-0.19 pass everything after topk by keyword; another release must be checked
+        raise RuntimeError(
+            "router replay: this megatron-core passes the routing settings positionally; the replay hook reads"
+            " them by keyword (checked on 0.14 to 0.19)"
+        )
     return _replayed_routing(logits, topk, state=state, **kwargs)
 
 
