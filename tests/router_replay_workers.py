@@ -153,6 +153,8 @@ def r3_run(rank: int, world_size: int, model_dir: str, batch: dict[str, Any], sc
         "input_ids": ids,
         "routed_experts": torch.nested.nested_tensor(parts, layout=torch.jagged),
     }
+    # R2 with verl's engine layout (jagged input_ids): the recorded routes come back jagged, the same rows
+    out["recorded_jagged"] = _infer(recorder, {**batch, "input_ids": ids})["routed_experts"]
     out["jagged"] = _infer(engine, jagged)
     out["seen_jagged"] = [[t.cpu() for t in per] for per in engine.router_replay.seen_routes()]
     out["train"] = _train(engine, cfg, {**batch, "routed_experts": routes})

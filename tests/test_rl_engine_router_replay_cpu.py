@@ -138,6 +138,9 @@ def test_r3_replays_the_routes_given_in_the_batch(moe_dir: str, batch: dict) -> 
     for key in ("seen", "seen_jagged"):  # padded routes, and the rollout's jagged ones without a last row
         seen = _seen(got[key])
         assert torch.equal(seen[keep], recorded[keep]), key
+    recorded_jagged = got["recorded_jagged"]
+    assert recorded_jagged.is_nested and recorded_jagged.dtype == torch.int16
+    assert torch.equal(recorded_jagged.values(), got["routes"][batch["attention_mask"].bool()])
     jagged = got["jagged"]["log_probs"].values()
     padded = got["replayed"]["log_probs"][batch["attention_mask"].bool()]
     assert float((jagged - padded).abs().max()) <= 1e-6
