@@ -348,9 +348,7 @@ class RLEngine(RouterReplayMixin, ModelForward, WeightExport, Closeable):
         call = self._start_call(data, loss_function, forward_only=forward_only)
         micro = self._plan(call.batch)
         with self.route_replay_call(data, call.batch, forward_only=forward_only) as routes:
-            self.backend.run(
-                self, micro, lambda mb, model: self._step(call, mb, model), forward_only=forward_only
-            )
+            self.backend.run(self, micro, lambda mb, m: self._step(call, mb, m), forward_only=forward_only)
         return routes.attach(self._finish_call(call))
 
     def plan_cp_sizes(self, data: Mapping[str, Any]) -> list[tuple[int, ...]]:
