@@ -89,7 +89,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "sync-free gradient norm and clipping without apex", ("test_multi_tensor",)),
     ("verl-mcore-utils", "multi-process test helper", ("test_testing",)),
     ("verl-dyncp", "CP groups", ("test_groups",)),
-    ("verl-dyncp", "planner: dynamic / static CP, packing, split, merge, loss", ("test_planner", "test_packing")),
+    (
+        "verl-dyncp",
+        "planner: dynamic / static CP, packing, split, merge, loss",
+        ("test_planner", "test_packing"),
+    ),
     ("verl-dyncp", "THD zigzag layout", ("test_thd",)),
     ("verl-dyncp", "CP core attention, RoPE kernel", ("test_attention", "test_fused_rope")),
     ("verl-dyncp", "model parity: static and dynamic CP vs no CP", ("test_model_parity",)),
