@@ -73,8 +73,9 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_weights.py",
             "tests/test_gpu_offload.py",
             "tests/test_gpu_engine_lifetime.py",
+            "tests/test_gpu_router_replay.py",
         ),
-        170,
+        190,
     ),
     Chunk(
         "packages1",
@@ -102,10 +103,10 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_engine.py",
             "tests/test_gpu_engine_packed.py",
             "tests/test_gpu_pipeline.py",
-            "tests/test_gpu_moe.py",
         ),
-        230,
+        200,
     ),
+    Chunk("moe2", 2, ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py"), 150),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",
