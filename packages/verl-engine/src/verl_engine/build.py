@@ -18,6 +18,7 @@ import torch
 
 from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.engine import RLEngine
+from verl_engine.expert_parallel import check_expert_parallel
 from verl_engine.micro_batching import MicroBatching
 from verl_engine.moe import MoeRouting, moe_routing
 from verl_engine.mtp import MtpSettings
@@ -106,6 +107,7 @@ def build_rl_engine(
         lora=lora,
         value_model=value_model,
     )
+    check_expert_parallel(engine, hf=model.hf, model_name=f"{model.path or '(hf_config)'}")
     debug = device.type == "cpu"
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
     trains = optim is not None and not engine.forward_only
@@ -194,22 +196,26 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
         engine.tensor_model_parallel_size,
         engine.pipeline_model_parallel_size,
         engine.virtual_pipeline_model_parallel_size,
+        engine.expert_model_parallel_size,
     )
     if not ps.model_parallel_is_initialized():
+        # expert groups from the DP x CP pool (megatron-core's model is built at CP 1): see verl_engine.moe
         init_parallel(
             tensor_model_parallel_size=wanted[0],
             pipeline_model_parallel_size=wanted[1],
             virtual_pipeline_model_parallel_size=wanted[2],
+            expert_model_parallel_size=wanted[3],
             device=device.type,
         )
     initialised = (
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
     )
     if initialised != wanted:
         raise ValueError(
-            f"megatron-core is initialised with tensor / pipeline / virtual pipeline sizes {initialised} but this"
+            f"megatron-core is initialised with tensor / pipeline / virtual pipeline / expert sizes {initialised} but this"
             f" role's section asks for {wanted}; roles sharing a process group must share the model-parallel layout"
         )
     if debug and wanted[1] > 1 and model.hf.get("tie_word_embeddings") and not model.value_model:
@@ -248,6 +254,7 @@ def _transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=1,
+        expert_model_parallel_size=engine.expert_model_parallel_size,
         sequence_parallel=engine.sequence_parallel and parallel.tp > 1,
         # weight gradients accumulated into DDP's main_grad inside the GEMM, where the chunks get megatron DDP
         overrides=with_wgrad_fusion(
@@ -312,6 +319,9 @@ def _backend(optim: Any | None, *, debug: bool, pool: int) -> DebugBackend | Meg
         clip_grad=float(optim.clip_grad) if optim is not None else 0.0,
         pool_group=parallel_state.get_data_parallel_group(),
         pool_size=pool,
+        expert_group=parallel_state.get_expert_data_parallel_group()
+        if parallel_state.get_expert_model_parallel_world_size() > 1
+        else None,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.names import TIED_OUTPUT, HFDims, ParamMapping, param_mappings
 
 
@@ -80,8 +81,10 @@ def local_megatron_params(
     Public so that other exporters (verl_mfsdp) walk the same name table instead of a copy of it.
     Multi-token-prediction layers (``mtp.*``, see :mod:`verl_mcore_utils.mtp`) are left out: the supported
     Hugging Face architectures (Qwen2 / Qwen3 / Llama) have no MTP tensors (transformers drops them), so
-    they keep their initialisation on load and are not exported to a rollout engine.
+    they keep their initialisation on load and are not exported to a rollout engine. With expert parallelism
+    local experts are named by their global index (:mod:`verl_mcore_utils.weights.experts`).
     """
+    experts = expert_groups()
     table = {m.megatron_name: m for m in param_mappings(hf_config=dims)}
     if dims.tie_word_embeddings:
         table[TIED_OUTPUT.megatron_name] = TIED_OUTPUT
@@ -95,6 +98,7 @@ def local_megatron_params(
             if match:
                 layer = chunk.decoder.layers[int(match.group(1))]
                 global_name = f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+            global_name = experts.global_name(global_name, num_experts=dims.num_experts)
             mapping = table.get(global_name)
             if mapping is None:
                 raise ValueError(
