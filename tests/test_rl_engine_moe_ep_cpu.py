@@ -58,10 +58,6 @@ def _gathered(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 def test_expert_parallel_step_equals_one_rank(moe_dir: str) -> None:
     layouts = {name: [EP2, *overrides] for name, overrides in TWO_RANK_LAYOUTS.items()}
-    if not _supports_padding_mask():  # megatron-core < 0.16 refuses the aux loss with padding, by name
-        pytest.skip(
-            "megatron-core < 0.16: the aux loss with several ranks is refused (test_rl_engine_moe_cpu)"
-        )
     one = _steps(1, moe_dir, {"one": []})[0]["one"]
     per_rank = _steps(2, moe_dir, layouts)
     for name in layouts:
