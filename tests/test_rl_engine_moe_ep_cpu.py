@@ -45,14 +45,26 @@ def _global(named: dict[str, torch.Tensor], *, ep_rank: int, local: int) -> dict
     return out
 
 
-def _gathered(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
-    """Every rank's ``key`` tensors by global name; replicated tensors must agree between ranks (bitwise)."""
+def _gathered(per_rank: list[dict], key: str, *, ep: int = 2, etp: int = 1) -> dict[str, torch.Tensor]:
+    """Every rank's ``key`` tensors by global name, expert slices of the ETP ranks joined (megatron-core's expert
+    rank order: ETP innermost, then EP); replicated tensors must agree between ranks (bitwise)."""
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.weights.fused import tp_unshard
+    from verl_mcore_utils.weights.names import param_mappings
+
+    mappings = {m.megatron_name: m for m in param_mappings(hf_config=tiny_hf_config("qwen3_moe"))}
     out: dict[str, torch.Tensor] = {}
+    slices: dict[str, list[torch.Tensor]] = {}
     for rank, result in enumerate(per_rank):
-        for name, value in _global(result[key], ep_rank=rank, local=2).items():
-            if name in out and ".local_experts." not in name:
+        ep_rank = (rank // etp) % ep
+        for name, value in _global(result[key], ep_rank=ep_rank, local=4 // ep).items():
+            if ".local_experts." in name and etp > 1:
+                slices.setdefault(name, [None] * etp)[rank % etp] = value
+            elif name in out and ".local_experts." not in name:
                 assert torch.equal(out[name], value), (key, name, rank)
             out.setdefault(name, value)
+    for name, parts in slices.items():
+        out[name] = tp_unshard(parts, mappings[name])
     return out
 
 
@@ -74,11 +86,13 @@ def test_expert_parallel_step_equals_one_rank(moe_dir: str) -> None:
             assert worst < 1e-5, (name, key, worst)
 
 
-def test_export_at_ep2_is_the_checkpoint_bitwise(moe_dir: str) -> None:
+@pytest.mark.parametrize("sizes", [[EP2], [f"{AM}.expert_tensor_parallel_size=2"]], ids=["ep2", "etp2"])
+def test_export_at_ep2_is_the_checkpoint_bitwise(moe_dir: str, sizes: list[str]) -> None:
+    """EP 2 (experts broadcast from their EP rank) and ETP 2 (expert slices gathered): the checkpoint, bitwise."""
     from safetensors.torch import load_file
 
     exported = run_distributed(
-        export_state, world_size=2, args=(moe_dir, ["trainer.n_gpus_per_node=2", EP2])
+        export_state, world_size=2, args=(moe_dir, ["trainer.n_gpus_per_node=2", *sizes])
     )[0]
     from pathlib import Path
 
@@ -95,6 +109,7 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
         "expert_model_parallel_size": 2,
         "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
     }
     return SimpleNamespace(**{**fields, **sizes, "use_megatron_fsdp": False})
 
@@ -119,18 +134,50 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
             {},
             ["expert_model_parallel_size=2", "pipeline_model_parallel_size=2"],
         ),
+        (
+            {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 5},
+            {},
+            ["expert_tensor_parallel_size=5", "moe_intermediate_size=48"],
+        ),
+        (
+            {"expert_tensor_parallel_size": 2},
+            {},
+            ["expert_model_parallel_size=2 x megatron.expert_tensor_parallel_size=2", "2 ranks"],
+        ),
     ],
 )
 def test_expert_parallel_refusals_name_the_key(
     monkeypatch, sizes: dict, hf: dict, needles: list[str]
 ) -> None:
-    """Checked by build_rl_engine before any process group or model: EP not dividing the experts or the pool,
-    a dense model, MoE at TP 2, EP with pipeline stages (megatron-core refuses its all-gather dispatcher with
+    """Checked by build_rl_engine before any process group or model: EP not dividing the experts, EP x ETP not
+    dividing the pool, ETP not dividing the experts' width, a dense model, MoE at TP 2, EP with pipeline stages (megatron-core refuses its all-gather dispatcher with
     the variable_seq_lengths pipeline stages need, which leaves the CPU no dispatcher)."""
     from verl_engine.expert_parallel import check_expert_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    config = {"model_type": "qwen3_moe", "num_experts": 4, **hf}
+    config = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 48, **hf}
     with pytest.raises((ValueError, NotImplementedError)) as error:
         check_expert_parallel(_engine_section(**sizes), hf=config, model_name="tiny")
     assert all(n in str(error.value) for n in needles), str(error.value)
+
+
+def test_expert_tensor_parallel_step_equals_one_rank(moe_dir: str) -> None:
+    """ETP 2 at TP 1 (each expert's fc1 / fc2 split over 2 ranks of the pool) at DP 2 and dynamic CP, and
+    EP 2 x ETP 2 at DP 4 (4 ranks): gradients and updated weights, slices joined, equal one rank."""
+    etp2 = f"{AM}.expert_tensor_parallel_size=2"
+    layouts = {"etp2_dp2": [etp2], "etp2_dynamic_cp": [etp2, *TWO_RANK_LAYOUTS["dynamic_cp"]]}
+    one = _steps(1, moe_dir, {"one": []})[0]["one"]
+    cases = [(1, 2, _steps(2, moe_dir, layouts))]
+    cases.append(
+        (2, 2, _steps(4, moe_dir, {"ep2_etp2_dp4": [EP2, etp2, "critic.ppo_micro_batch_size_per_gpu=1"]}))
+    )
+    for ep, etp, per_rank in cases:
+        for name in per_rank[0]:
+            results = [ranks[name] for ranks in per_rank]
+            for result in results:
+                assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
+                assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+            for key in ("grads", "params"):
+                worst = _worst(_gathered(results, key, ep=ep, etp=etp), one[key])
+                print(f"{name} {key}: worst relative error {worst:.2e}")
+                assert worst < 1e-5, (name, key, worst)

@@ -123,12 +123,14 @@ def _model_parallel_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
 
     megatron-core's rule: a parameter replicated over TP (norms, biases of row-parallel layers) counts on
     TP rank 0 only. With expert parallelism the experts (``allreduce=False``) differ between EP ranks: their
-    squares are summed over the expert-model-parallel group (EP x PP), the rest over TP x PP.
+    squares are summed over the expert-model-parallel group (ETP x EP x PP), the rest over TP x PP.
     """
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
-    ep = ps.get_expert_model_parallel_world_size() > 1
+    ep = ps.get_expert_model_parallel_world_size() > 1 or (
+        ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+    )
     sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     for p in params:

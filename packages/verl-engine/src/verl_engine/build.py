@@ -197,6 +197,7 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
         engine.pipeline_model_parallel_size,
         engine.virtual_pipeline_model_parallel_size,
         engine.expert_model_parallel_size,
+        engine.expert_tensor_parallel_size or engine.tensor_model_parallel_size,
     )
     if not ps.model_parallel_is_initialized():
         # expert groups from the DP x CP pool (megatron-core's model is built at CP 1): see verl_engine.moe
@@ -205,6 +206,7 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
             pipeline_model_parallel_size=wanted[1],
             virtual_pipeline_model_parallel_size=wanted[2],
             expert_model_parallel_size=wanted[3],
+            expert_tensor_parallel_size=wanted[4],
             device=device.type,
         )
     initialised = (
@@ -212,10 +214,11 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_virtual_pipeline_model_parallel_world_size(),
         ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
     )
     if initialised != wanted:
         raise ValueError(
-            f"megatron-core is initialised with tensor / pipeline / virtual pipeline / expert sizes {initialised} but this"
+            f"megatron-core is initialised with TP / PP / VPP / EP / ETP sizes {initialised} but this"
             f" role's section asks for {wanted}; roles sharing a process group must share the model-parallel layout"
         )
     if debug and wanted[1] > 1 and model.hf.get("tie_word_embeddings") and not model.value_model:
@@ -255,6 +258,7 @@ def _transformer_config(
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=1,
         expert_model_parallel_size=engine.expert_model_parallel_size,
+        expert_tensor_parallel_size=engine.expert_tensor_parallel_size,
         sequence_parallel=engine.sequence_parallel and parallel.tp > 1,
         # weight gradients accumulated into DDP's main_grad inside the GEMM, where the chunks get megatron DDP
         overrides=with_wgrad_fusion(
@@ -321,6 +325,8 @@ def _backend(optim: Any | None, *, debug: bool, pool: int) -> DebugBackend | Meg
         pool_size=pool,
         expert_group=parallel_state.get_expert_data_parallel_group()
         if parallel_state.get_expert_model_parallel_world_size() > 1
+        or parallel_state.get_expert_tensor_parallel_world_size()
+        != parallel_state.get_tensor_model_parallel_world_size()
         else None,
     )
 

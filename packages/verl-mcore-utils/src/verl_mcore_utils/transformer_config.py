@@ -61,6 +61,7 @@ def hf_to_transformer_config(
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     sequence_parallel: bool = False,
     use_cpu_initialization: bool = True,
     overrides: Mapping[str, Any] | None = None,
@@ -108,6 +109,7 @@ def hf_to_transformer_config(
         "moe_token_dispatcher_type": "alltoall" if not moe or torch.cuda.is_available() else "allgather",
         "context_parallel_size": context_parallel_size,
         "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size,
         "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": use_cpu_initialization,
     }

@@ -4,13 +4,14 @@ megatron-core numbers the experts of an MoE layer locally (``mlp.experts.local_e
 parallelism EP rank ``r`` of ``EP`` holds ``E / EP`` of the ``E`` experts, local expert ``i`` being global
 expert ``r * E / EP + i`` (``MoELayer.local_expert_indices``). The name table (:mod:`.names`) is written in
 global indices, so loading needs only the renaming, and exporting a global expert means broadcasting it from
-the EP rank that holds it.
+the EP rank that holds it. With expert tensor parallelism (ETP) an expert's fc1 / fc2 are split like TP's, over
+the expert-TP group instead of the TP group (:meth:`ExpertGroups.for_param`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ class ExpertGroups:
     rank: int
     size: int
     group: Any
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
 
     def global_name(self, name: str, *, num_experts: int) -> str:
         """``name`` with a local expert index replaced by the global one (other names unchanged)."""
@@ -44,6 +48,13 @@ class ExpertGroups:
         if index is None or self.size == 1:
             return None
         return index // (num_experts // self.size)
+
+    def for_param(self, global_name: str, groups: Any) -> Any:
+        """``groups`` (a ``ModelParallelGroups``) with the TP fields of the expert-TP group for an expert
+        parameter, unchanged for any other."""
+        if expert_index(global_name) is None or self.tp_group is None:
+            return groups
+        return replace(groups, tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group)
 
     def with_other_ranks_experts(self, owned: dict[str, Any]) -> dict[str, Any]:
         """``owned`` (global name -> what the exporter knows of it) with the entries of this EP group's other
@@ -71,14 +82,16 @@ def expert_index(name: str) -> int | None:
 
 
 def expert_groups() -> ExpertGroups:
-    """megatron-core's expert-model-parallel rank, size and group (size 1 when it is not initialised)."""
+    """megatron-core's expert-model-parallel and expert-TP ranks, sizes and groups (sizes 1 when it is not
+    initialised)."""
     if not parallel_state.model_parallel_is_initialized():
         return ExpertGroups(0, 1, None)
     size = parallel_state.get_expert_model_parallel_world_size()
-    if size == 1:
-        return ExpertGroups(0, 1, None)
     return ExpertGroups(
-        rank=parallel_state.get_expert_model_parallel_rank(),
+        rank=parallel_state.get_expert_model_parallel_rank() if size > 1 else 0,
         size=size,
-        group=parallel_state.get_expert_model_parallel_group(),
+        group=parallel_state.get_expert_model_parallel_group() if size > 1 else None,
+        tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        tp_group=parallel_state.get_expert_tensor_parallel_group(),
     )

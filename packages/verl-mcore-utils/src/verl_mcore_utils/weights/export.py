@@ -49,6 +49,7 @@ def export_hf_weights(
     dims = as_dims(hf_config)
     chunks = unwrap_model_chunks(model_chunks)
     groups = model_parallel_groups()
+    experts = expert_groups()
     local = {
         name: entry
         for name, entry in local_megatron_params(chunks, dims).items()
@@ -56,10 +57,9 @@ def export_hf_weights(
     }
     device = next(p for c in chunks for p in c.parameters()).device
     owned = {
-        name: (full_shape(param, mapping, groups.tp_size), str(param.dtype))
+        name: (full_shape(param, mapping, experts.for_param(name, groups).tp_size), str(param.dtype))
         for name, (mapping, param) in local.items()
     }
-    experts = expert_groups()
     owned = experts.with_other_ranks_experts(owned)
     # Which PP stage holds what: one object all-gather, so every rank can post matching broadcasts.
     if groups.pp_size > 1:
@@ -87,11 +87,12 @@ def export_hf_weights(
             full = torch.empty(shape, dtype=_dtype(dtype), device=device)
         elif stage == groups.pp_rank:
             param = local[mapping.megatron_name][1].detach()
-            if mapping.tp_dim is not None and groups.tp_size > 1:
+            tp = experts.for_param(mapping.megatron_name, groups)
+            if mapping.tp_dim is not None and tp.tp_size > 1:
                 # Plain torch.distributed, not megatron's tensor_parallel gather helpers: those allocate
                 # on torch.cuda.current_device(), which breaks gloo on CPU hosts.
-                parts = [torch.empty_like(param) for _ in range(groups.tp_size)]
-                dist.all_gather(parts, param.contiguous(), group=groups.tp_group)
+                parts = [torch.empty_like(param) for _ in range(tp.tp_size)]
+                dist.all_gather(parts, param.contiguous(), group=tp.tp_group)
                 full = tp_unshard(parts, mapping)
             else:
                 full = param
