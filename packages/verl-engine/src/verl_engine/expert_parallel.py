@@ -38,6 +38,13 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _mcore_version() -> tuple[int, int]:
+    from verl_mcore_utils.compat import mcore_version
+
+    version = mcore_version()
+    return (version.major, version.minor)
+
+
 def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str) -> None:
     """Raise (ValueError / NotImplementedError naming the key and the fix) unless this role's EP and ETP
     sizes run here; nothing to check at EP 1 without expert tensor parallelism."""
@@ -91,4 +98,10 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
         raise ValueError(
             f"{_KEY}={ep} x {_ETP}={etp} does not divide the {stage} ranks of the DP x CP pool (world size /"
             f" (TP x PP)); the expert groups are carved out of that pool: choose sizes whose product divides {stage}"
+        )
+    if etp != tp and _mcore_version() < (0, 19):
+        raise NotImplementedError(
+            f"{_ETP}={etp} (expert tensor parallelism other than TP) needs megatron-core >= 0.19 here: on 0.14 the"
+            " expert gradients came out wrong in this repository's parity test; upgrade megatron-core or set"
+            f" {_ETP}=null"
         )
