@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from moe_ep_workers import export_state
+from moe_ep_workers import checkpoint_error, export_state
 from test_rl_engine_moe_cpu import TWO_RANK_LAYOUTS, _steps, _supports_padding_mask, _worst
 
 from verl_mcore_utils.testing import run_distributed
@@ -201,3 +201,30 @@ def test_expert_tensor_parallel_step_equals_one_rank(moe_dir: str) -> None:
             for result in results:
                 assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
                 assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+
+
+def test_checkpoint_at_ep2_resumes_bitwise_and_refuses_another_expert_layout(moe_dir: str, tmp_path) -> None:
+    """Each rank's file holds its own experts: two steps straight equal one step, save, load, one step
+    (bitwise); loading the optimizer at EP 1 on the same ranks (other experts per rank) is refused naming EP."""
+    from rl_engine_workers import checkpoint_run, ppo_overrides, verl_batch
+
+    batches = [
+        verl_batch(seed=s, prompt_lens=[3, 6, 1, 5] * 2, response_lens=[7, 2, 5, 4] * 2) for s in (1, 2)
+    ]
+    overrides = ppo_overrides(2, [EP2])
+    straight = run_distributed(
+        checkpoint_run, world_size=2, args=(moe_dir, overrides, batches, str(tmp_path / "a"), [1, 2])
+    )
+    root = str(tmp_path / "b")
+    run_distributed(checkpoint_run, world_size=2, args=(moe_dir, overrides, batches, root, [1], 1))
+    resumed = run_distributed(
+        checkpoint_run, world_size=2, args=(moe_dir, overrides, batches, root, [2], None, True)
+    )
+    for rank in range(2):
+        assert resumed[rank]["params"].keys() == straight[rank]["params"].keys()
+        for name, value in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][name], value), (rank, name)
+    for message in run_distributed(
+        checkpoint_error, world_size=2, args=(moe_dir, ppo_overrides(2, []), root)
+    ):
+        assert "EP / ETP / world [2, 1, 2]" in message and "load_optimizer=False" in message, message
