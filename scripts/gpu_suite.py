@@ -88,6 +88,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "packages/verl-mcore-utils/tests/test_multi_tensor.py",
             "tests/test_gpu_construction.py",
             "tests/test_gpu_fused_adam.py",
+            "tests/test_gpu_grouped_experts.py",
             "tests/test_gpu_wgrad_fusion.py",
             "tests/test_gpu_mfsdp.py",
         ),

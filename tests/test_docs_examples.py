@@ -207,3 +207,43 @@ def test_api_reference_covers_every_public_name(dist: str) -> None:
     assert not missing, (
         f"docs/packages/{dist}.md has no API entry for {missing}: add '::: <defining module>.<name>' lines"
     )
+
+
+# Every fenced code block a reader can copy, and who keeps it true. A plain ```python block must be one the tests
+# execute; anything else is titled as an excerpt (or says why it is not run). Shell blocks' verl-engine and
+# verl-config commands are parsed by tests/test_docs_commands.py; ```text blocks are output or listings.
+DOC_FILES = sorted([ROOT / "README.md", *ROOT.glob("packages/*/README.md"), *ROOT.glob("docs/**/*.md")])
+RUN_BY_TESTS = {
+    **{f"docs/packages/{dist}.md": "test_example_runs" for dist in PACKAGES},
+    **{f"packages/{dist}/README.md": "test_a_package_readme_runs_the_tested_example" for dist in PACKAGES},
+    "docs/engine.md": "tests/test_engine_doc.py",
+}
+FENCE = re.compile(r"^```(\w*)([^\n]*)\n", flags=re.M)
+
+
+def _fences() -> list[tuple[str, str, str]]:
+    """(file, language, title part) of every opening fence (a closing fence has neither)."""
+    found = []
+    for doc in DOC_FILES:
+        opening = True
+        for lang, rest in FENCE.findall(doc.read_text()):
+            if opening:
+                found.append((str(doc.relative_to(ROOT)), lang, rest.strip()))
+            opening = not opening
+    return found
+
+
+def test_every_code_block_runs_in_ci_or_says_it_is_an_excerpt() -> None:
+    unchecked = []
+    for where, lang, title in _fences():
+        if lang in ("bash", "sh", "shell", "console", "text", "yaml", "toml", "json", ""):
+            continue  # commands: test_docs_commands.py; the rest are listings or printed output
+        if not title and where in RUN_BY_TESTS:
+            continue  # executed as written (the tests named in RUN_BY_TESTS)
+        if "excerpt" in title or "not run" in title:
+            continue
+        unchecked.append(f"{where}: ```{lang}{(' ' + title) if title else ''}")
+    assert not unchecked, (
+        "code blocks no test runs: make them runnable examples in a page a test executes, or title them"
+        ' as excerpts (```python title="... (an excerpt)"```):\n' + "\n".join(unchecked)
+    )

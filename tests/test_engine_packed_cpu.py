@@ -68,8 +68,10 @@ def test_reference_log_probs_and_positions_match_transformers(reference: dict, i
 
 
 # (overrides, micro-batch budget per rank, expected CP sizes per micro-batch of each step or None = static).
-# Every rank here holds fewer tokens than the planner's floor (GEMM_ROOFLINE_TOKENS), so a micro-batch grows
-# past the size its longest sequence needs only where its groups would overflow the memory budget.
+# Every rank here holds fewer tokens than the planner's floor (GEMM_ROOFLINE_TOKENS), so the balance rule never
+# raises a size; under dynamic CP the engine packs micro-batches (verl_dyncp.pack_micro_batches) so that the size
+# their longest sequence needs holds them within budget: the six 20-token sequences at 4 ranks (budget 32 per
+# rank) run as 4 + 2 at CP 1, where cut by total tokens (one micro-batch of 6) they overflowed CP 1 and ran at CP 2.
 LAYOUTS = {
     2: [
         (["megatron.context_parallel_size=2"], 64, None),
@@ -79,9 +81,9 @@ LAYOUTS = {
     4: [
         (["megatron.context_parallel_size=4"], 64, None),
         (["megatron.context_parallel_size=2"], 64, None),
-        # CP 4 for the micro-batches holding a 64- or 90-token sequence, CP 2 for the others (CP 1 is covered by
-        # the 2-rank and TP 2 runs)
-        ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], None, [[(4,), (2,)], [(2,)], [(4,)]]),
+        # CP 4 for the micro-batches holding a 64- or 90-token sequence, CP 2 for the one whose longest is 37,
+        # CP 1 for the 20-token ones
+        ([*DYN, "megatron.max_seqlen_per_dp_cp_rank=32"], None, [[(4,), (2,)], [(1,), (1,)], [(4,)]]),
     ],
     # TP 2 x a DP x CP pool of 2 (alignment tp * cp * 2); sequence parallel needs CUDA buffers, so off
     "tp2": [

@@ -38,14 +38,14 @@ FP32 = [*COMMON, "megatron.dtype=float32"]
 DYN = ["megatron.dynamic_context_parallel=true"]
 DYN2 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=512"]  # k: 2 for 800 / 1000 tokens, 1 for the rest
 DYN4 = [*DYN, "megatron.max_seqlen_per_dp_cp_rank=256"]  # k: 4 for 800 / 1000, 2 for 512, 1 for the rest
-# The CP sizes the planner gives each micro-batch of BATCHES (verl_dyncp.plan._balanced_cp_size). What a short
-# micro-batch gets: the last of the 96-token batch at 4 GPUs holds two sequences, 96 tokens per rank at CP 1 or
-# 48 at CP 2, both under the matmuls' roofline floor (GEMM_ROOFLINE_TOKENS): CP 1, two ranks idle, no CP
-# collectives. Its first micro-batch (10 x 96 tokens) gets CP 2 because three of 96 tokens overflow a rank's
-# 256-token budget and two ranks pool their room; 800 / 1000 tokens need CP 4.
+# The CP sizes the planner gives each micro-batch of BATCHES (verl_dyncp.plan._balanced_cp_size). Under dynamic
+# CP the engine cuts micro-batches with verl_dyncp.pack_micro_batches: each one is planned at the size its longest
+# sequence needs, never raised for memory. The 96-token batch at 4 GPUs (budget 256 per rank): 8 sequences (two
+# per rank) then 4 (one per rank), both CP 1; cut by total tokens (10 + 2) the first overflowed at CP 1 (three
+# of 96 tokens in a rank's 256) and was raised to CP 2. 800 / 1000 tokens need CP 4.
 # (The small preset's workload model: linear 939 per token, so the 300 / 512 / 128 / 64 micro-batch balances
-# better split: CP 2 at 2 GPUs, CP 4 at 4.)
-DYN_PLANS = {2: [[(2,), (2,)], [(1,), (1,)], [(2,)]], 4: [[(4,), (4,)], [(2,), (1,)], [(4,)]]}
+# better split: CP 2 at 2 GPUs, CP 4 at 4: the balance rule.)
+DYN_PLANS = {2: [[(2,), (2,)], [(1,), (1,)], [(2,)]], 4: [[(4,), (4,)], [(1,), (1,)], [(4,)]]}
 BUDGET = 512  # micro-batch token budget per rank for static layouts
 TE = ["megatron.packed_attention_backend=te"]
 LAYOUT_IDS = ["static2-w2", "dynamic-w2", "static4-w4", "static2-w4", "dynamic-w4"]

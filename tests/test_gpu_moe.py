@@ -67,12 +67,27 @@ def test_moe_aux_loss_on_two_gpus_matches_one_gpu(tmp_path) -> None:
             assert worst < 1e-4, (name, worst)
 
 
+def _per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Grouped experts' stacked ``mlp.experts.linear_fc{1,2}_weight`` as SequentialMLP's per-expert names."""
+    import re
+
+    out = {}
+    for name, value in grads.items():
+        m = re.match(r"^(.*\.mlp\.experts\.)linear_fc([12])_weight$", name)
+        if m is None:
+            out[name] = value
+            continue
+        for e in range(value.shape[0]):
+            out[f"{m[1]}local_experts.{e}.linear_fc{m[2]}.weight"] = value[e]
+    return out
+
+
 def _global_experts(grads: dict[str, torch.Tensor], *, ep_rank: int, local: int) -> dict[str, torch.Tensor]:
     """Local expert indices turned global: EP rank ``r`` holds experts ``r * local ...``."""
     import re
 
     out = {}
-    for name, value in grads.items():
+    for name, value in _per_expert(grads).items():
         m = re.match(r"^(.*\.local_experts\.)(\d+)(\..+)$", name)
         out[f"{m[1]}{ep_rank * local + int(m[2])}{m[3]}" if m else name] = value
     return out
@@ -102,8 +117,9 @@ def test_expert_parallel_on_two_gpus_matches_one_gpu(tmp_path) -> None:
             assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (name, got["loss"], ref["loss"])
             for n, g in _global_experts(got["grads"], ep_rank=rank, local=2).items():
                 gathered.setdefault(n, g)
-        assert gathered.keys() == ref["grads"].keys(), name
-        worst = max(_rel(gathered[n], ref["grads"][n]) for n in ref["grads"])
+        expected = _per_expert(ref["grads"])
+        assert gathered.keys() == expected.keys(), name
+        worst = max(_rel(gathered[n], expected[n]) for n in expected)
         print(f"EP 2 on NCCL, {name}: worst gradient relative error {worst:.2e}")
         assert worst < 1e-4, (name, worst)
 
@@ -125,7 +141,11 @@ def test_expert_tensor_parallel_on_two_gpus_matches_one_gpu(tmp_path) -> None:
     ((ref,),) = run_distributed(
         mtp_step_layouts, world_size=1, backend="nccl", args=(model_dir, one, batch, 0, "cuda"), timeout_s=300
     )
-    two = [["trainer.n_gpus_per_node=2", f"{AM}.expert_tensor_parallel_size=2", *COMMON, *LAYOUTS["dp2"]]]
+    etp2 = [
+        f"{AM}.expert_tensor_parallel_size=2",
+        f"+{AM}.override_transformer_config.moe_grouped_gemm=false",
+    ]
+    two = [["trainer.n_gpus_per_node=2", *etp2, *COMMON, *LAYOUTS["dp2"]]]
     results = run_distributed(
         mtp_step_layouts, world_size=2, backend="nccl", args=(model_dir, two, batch, 0, "cuda"), timeout_s=300
     )
@@ -136,7 +156,8 @@ def test_expert_tensor_parallel_on_two_gpus_matches_one_gpu(tmp_path) -> None:
             got[name] = tp_unshard(
                 [results[0][0]["grads"][name], results[1][0]["grads"][name]], mappings[name]
             )
-    assert got.keys() == ref["grads"].keys()
-    worst = max(_rel(got[n], ref["grads"][n]) for n in ref["grads"])
+    expected = _per_expert(ref["grads"])  # one GPU: grouped experts (the default), stacked
+    assert got.keys() == expected.keys()
+    worst = max(_rel(got[n], expected[n]) for n in expected)
     print(f"ETP 2 on NCCL: worst gradient relative error {worst:.2e}")
     assert worst < 1e-4, worst

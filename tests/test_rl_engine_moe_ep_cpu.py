@@ -24,6 +24,7 @@ from verl_mcore_utils.testing import run_distributed
 AM = "actor_rollout_ref.actor.megatron"
 EP2 = f"{AM}.expert_model_parallel_size=2"
 _LOCAL = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+_STACKED = re.compile(r"^(.*\.mlp\.experts\.)linear_fc([12])_weight$")
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,23 @@ def moe_dir(tmp_path_factory) -> str:
     return str(save_tiny_hf_model("qwen3_moe", path, seed=3, router_aux_loss_coef=coef))
 
 
+def _per_expert(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Grouped experts' stacked ``mlp.experts.linear_fc{1,2}_weight`` as SequentialMLP's per-expert names."""
+    out = {}
+    for name, value in named.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = value
+            continue
+        for e in range(value.shape[0]):
+            out[f"{m[1]}local_experts.{e}.linear_fc{m[2]}.weight"] = value[e]
+    return out
+
+
 def _global(named: dict[str, torch.Tensor], *, ep_rank: int, local: int) -> dict[str, torch.Tensor]:
     """``named`` with local expert indices turned global (EP rank ``ep_rank`` holding ``local`` experts)."""
     out = {}
-    for name, value in named.items():
+    for name, value in _per_expert(named).items():
         m = _LOCAL.match(name)
         out[f"{m[1]}{ep_rank * local + int(m[2])}{m[3]}" if m else name] = value
     return out
@@ -81,12 +95,19 @@ def test_expert_parallel_step_equals_one_rank(moe_dir: str) -> None:
             )
         for key in ("grads", "params"):
             got = _gathered(results, key)
-            worst = _worst(got, one[key])
+            worst = _worst(got, _per_expert(one[key]))
             print(f"EP 2 {name} {key}: worst relative error {worst:.2e}")
             assert worst < 1e-5, (name, key, worst)
 
 
-@pytest.mark.parametrize("sizes", [[EP2], [f"{AM}.expert_tensor_parallel_size=2"]], ids=["ep2", "etp2"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [EP2],
+        [f"{AM}.expert_tensor_parallel_size=2", f"+{AM}.override_transformer_config.moe_grouped_gemm=false"],
+    ],
+    ids=["ep2", "etp2"],
+)
 def test_export_at_ep2_is_the_checkpoint_bitwise(moe_dir: str, sizes: list[str]) -> None:
     """EP 2 (experts broadcast from their EP rank) and ETP 2 (expert slices gathered): the checkpoint, bitwise."""
     if sizes != [EP2] and _mcore_minor() < (0, 19):
@@ -176,6 +197,7 @@ def test_expert_tensor_parallel_step_equals_one_rank(moe_dir: str) -> None:
     EP 2 x ETP 2 at DP 4 (4 ranks): gradients and updated weights, slices joined, equal one rank. Refused by
     name on megatron-core < 0.19 (0.14 gave expert gradients off by 100% relative)."""
     etp2 = f"{AM}.expert_tensor_parallel_size=2"
+    sequential = f"+{AM}.override_transformer_config.moe_grouped_gemm=false"  # grouped experts refuse ETP
     if _mcore_minor() < (0, 19):  # refused by name before any model is built
         from rl_engine_workers import build_error
 
@@ -184,18 +206,27 @@ def test_expert_tensor_parallel_step_equals_one_rank(moe_dir: str) -> None:
         ):
             assert "expert_tensor_parallel_size=2" in message and "megatron-core >= 0.19" in message, message
         return
-    layouts = {"etp2_dp2": [etp2], "etp2_dynamic_cp": [etp2, *TWO_RANK_LAYOUTS["dynamic_cp"]]}
+    layouts = {
+        "etp2_dp2": [etp2, sequential],
+        "etp2_dynamic_cp": [etp2, sequential, *TWO_RANK_LAYOUTS["dynamic_cp"]],
+    }
     one = _steps(1, moe_dir, {"one": []})[0]["one"]
     cases = [(1, 2, _steps(2, moe_dir, layouts))]
     cases.append(
-        (2, 2, _steps(4, moe_dir, {"ep2_etp2_dp4": [EP2, etp2, "critic.ppo_micro_batch_size_per_gpu=1"]}))
+        (
+            2,
+            2,
+            _steps(
+                4, moe_dir, {"ep2_etp2_dp4": [EP2, etp2, sequential, "critic.ppo_micro_batch_size_per_gpu=1"]}
+            ),
+        )
     )
     for ep, etp, per_rank in cases:
         for name in per_rank[0]:
             results = [ranks[name] for ranks in per_rank]
             for key in ("grads", "params"):
                 got = _gathered(results, key, ep=ep, etp=etp)
-                worst = _worst(got, one[key])
+                worst = _worst(got, _per_expert(one[key]))
                 print(f"{name} {key}: worst relative error {worst:.2e}")
                 assert worst < 1e-5, (name, key, worst)
             for result in results:

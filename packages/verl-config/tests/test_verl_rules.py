@@ -278,6 +278,12 @@ def test_fsdp2_strategy_and_ulysses_rules() -> None:
             r"unknown config key 'actor_rollout_ref.actor.router_replay.mode'",
         ),
         (
+            # verl 0.9.1's _validate_router_replay_config: bypass mode skips the pass R2 records in
+            [f"{A}.megatron.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
+            ConfigValueError,
+            r"router_replay.mode: is R2 but algorithm.rollout_correction.bypass_mode is true",
+        ),
+        (
             # verl 0.9.1's default metric is "reward"; an explicit null with filtering on is still refused
             ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"],
             ConfigValueError,

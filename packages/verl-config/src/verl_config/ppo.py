@@ -38,7 +38,13 @@ from verl_config.engines import RouterReplayConfig
 from verl_config.errors import ConfigValueError, ErrorCollector
 from verl_config.model import ModelConfig
 from verl_config.notes import adjusting, note
-from verl_config.ppo_rules import check_batches, check_engine_ties, check_remove_padding, check_role_layout
+from verl_config.ppo_rules import (
+    check_batches,
+    check_engine_ties,
+    check_remove_padding,
+    check_role_layout,
+    check_router_replay,
+)
 from verl_config.profiler import GlobalProfilerConfig
 from verl_config.reward import (
     LegacyCustomRewardFunctionConfig,
@@ -177,6 +183,8 @@ class TrainerConfig:
             check_engine_ties(arr=arr, critic=self.critic)
         with errors:
             check_remove_padding(arr=arr, critic=self.critic, uses_critic=self.uses_critic)
+        with errors:
+            check_router_replay(arr=arr, algorithm=self.algorithm)
         if arr.rollout.val_kwargs.do_sample and arr.rollout.temperature <= 0:
             errors.add(
                 ConfigValueError(

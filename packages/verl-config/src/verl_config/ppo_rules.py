@@ -14,7 +14,14 @@ from verl_config.errors import ConfigValueError, ErrorCollector
 from verl_config.notes import note
 from verl_config.validation import check_parallel_layout
 
-__all__ = ["check_batches", "check_engine_ties", "check_micro", "check_remove_padding", "check_role_layout"]
+__all__ = [
+    "check_batches",
+    "check_engine_ties",
+    "check_micro",
+    "check_remove_padding",
+    "check_role_layout",
+    "check_router_replay",
+]
 
 
 def check_role_layout(*, path: str, role: Any, world: int) -> int:
@@ -211,6 +218,20 @@ def check_remove_padding(*, arr: ActorRolloutRefConfig, critic: CriticConfig, us
                 f"is false but {path}.megatron.dynamic_context_parallel is true; dynamic context parallelism"
                 f" runs on packed (THD) sequences: set {model_path}.use_remove_padding=true",
             )
+
+
+def check_router_replay(*, arr: ActorRolloutRefConfig, algorithm: Any) -> None:
+    """verl 0.9.1 (``_validate_router_replay_config``): R2 records the routes in the actor's old-log-prob pass,
+    which ``rollout_correction.bypass_mode`` skips."""
+    engine = getattr(arr.actor, "megatron", None)
+    replay = getattr(engine, "router_replay", None)
+    correction = getattr(algorithm, "rollout_correction", None)
+    if getattr(replay, "mode", "disabled") == "R2" and correction is not None and correction.bypass_mode:
+        raise ConfigValueError(
+            "actor_rollout_ref.actor.megatron.router_replay.mode",
+            "is R2 but algorithm.rollout_correction.bypass_mode is true: R2 records routes while recomputing the"
+            " actor's old log-probs, and bypass mode skips that forward; set bypass_mode=false or use R3",
+        )
 
 
 # A role's micro-batch keys: (deprecated global size, per-GPU size, dynamic batch size switch).

@@ -11,6 +11,7 @@ from importlib import metadata as _metadata
 from verl_dyncp.cp_context import CPContext, attach_cp_context
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.layout import thd_packed_seq_params
+from verl_dyncp.packing import pack_micro_batches
 from verl_dyncp.planner import (
     DEFAULT_LARGER_CP_MIN_GAIN,
     GEMM_ROOFLINE_TOKENS,
@@ -72,6 +73,7 @@ __all__ = [  # the names imported above, then every lazy name
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
     "global_loss_token_count",
+    "pack_micro_batches",
     "plan_dynamic_cp",
     "postprocess_thd_engine",
     "preprocess_thd_engine",

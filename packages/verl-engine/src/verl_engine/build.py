@@ -25,6 +25,11 @@ from verl_engine.mtp import MtpSettings
 from verl_engine.optimizer import training_state
 from verl_engine.packed import CPLayout, cp_layout_from_config
 from verl_engine.refusals import check_supported
+from verl_engine.router_replay import (
+    install_router_replay,
+    refuse_router_replay_layout,
+    router_replay_settings,
+)
 
 __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"]
 
@@ -109,6 +114,7 @@ def build_rl_engine(
     )
     check_expert_parallel(engine, hf=model.hf, model_name=f"{model.path or '(hf_config)'}")
     debug = device.type == "cpu"
+    refuse_router_replay_layout(engine, trains=optim is not None and not engine.forward_only)
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
     trains = optim is not None and not engine.forward_only
     tf_config = _transformer_config(engine, model=model, parallel=parallel, device=device, trains=trains)
@@ -120,6 +126,7 @@ def build_rl_engine(
         mtp_layers=model.mtp_layers,
         model_name=f"{model.path or '(hf_config)'} ({model.hf.get('model_type')!r})",
     )
+    replay = router_replay_settings(engine.router_replay, tf_config=tf_config, trains=trains)
     chunks = _model_chunks(engine, model=model, tf_config=tf_config, device=device, trains=trains)
     if moe is not None:
         from megatron.core import parallel_state
@@ -136,7 +143,7 @@ def build_rl_engine(
         tf_config=tf_config,
         total_training_steps=total_training_steps,
     )
-    return _assemble(
+    rl = _assemble(
         chunks,
         engine=engine,
         model=model,
@@ -152,6 +159,7 @@ def build_rl_engine(
         moe=moe,
         engine_class=engine_class,
     )
+    return install_router_replay(rl, replay)
 
 
 def _model_config(

@@ -48,6 +48,15 @@ __all__ = [
 ]
 
 _ROLES3 = (ACTOR, REF, CRITIC)
+_ROUTER_REPLAY = tuple(
+    f"tests/test_rl_engine_router_replay_cpu.py::{name}"
+    for name in (
+        "test_replaying_the_routes_just_recorded_changes_nothing",
+        "test_replay_forces_the_recorded_experts_after_the_routers_change",
+        "test_r2_records_in_the_old_log_prob_pass_and_the_update_replays_them",
+        "test_r3_replays_the_routes_given_in_the_batch",
+    )
+)
 _TRAINS = (ACTOR, CRITIC)
 _MODELS = (MODEL, CRITIC_MODEL)
 
@@ -328,8 +337,16 @@ RULES: tuple[Rule, ...] = (
          reason="the CPU debug backend always runs float32"),
     Rule(keys=("megatron.use_megatron_fsdp",), sections=_ROLES3, kind=_H,
          evidence=("tests/test_gpu_mfsdp.py::test_megatron_fsdp_matches_ddp_distributed_optimizer",)),
-    Rule(keys=("megatron.router_replay.*",), sections=_ROLES3, kind=_R, reason="router replay (R2 / R3) is not implemented in verl-engine yet",
+    Rule(keys=("megatron.router_replay.mode",), sections=(ACTOR, REF), kind=_H, evidence=_ROUTER_REPLAY,
+         reason="verl_engine.router_replay: R2 records the routes in the old-log-prob pass and replays them in the"
+         " update, R3 replays the batch's routed_experts; a dense model, PP, EP, sequence parallelism and"
+         " unreplayable routers are refused by name at build; the reference policy never replays (as verl's)"),
+    Rule(keys=("megatron.router_replay.mode",), sections=(CRITIC,), kind=_R, allowed=one_of("disabled"),
+         supported="disabled", reason="verl 0.9.1 replays the actor's routes only (its critic has no replay)",
          example=("megatron.router_replay.mode=R2",)),
+    Rule(keys=("megatron.router_replay.record_file", "megatron.router_replay.replay_file"), sections=_ROLES3,
+         kind=_R, allowed=one_of(None), supported="null", reason="verl 0.9.1 declares these keys but never reads"
+         " them: routes travel in the batch as routed_experts", example=("megatron.router_replay.record_file=r.pt",)),
     Rule(keys=("megatron.use_dynamic_bsz", "megatron.max_token_len_per_gpu", "megatron.micro_batch_size_per_gpu"),
          sections=_ROLES3, kind=_H, evidence=(_PPO_STEP,),
          reason="verl_engine.micro_batching.MicroBatching; they follow the role's own keys"),

@@ -33,6 +33,7 @@ from verl_engine.packed import (
 )
 from verl_engine.pipeline import PipelineLayout, share_from_last_stage
 from verl_engine.rl_batch import RLBatch, read_scalar
+from verl_engine.router_replay import RouterReplayMixin
 from verl_engine.weight_export import WeightExport
 
 __all__ = ["LossFunction", "MicroBatching", "RLEngine", "split_to_multiple"]
@@ -60,7 +61,7 @@ class _Call:
     records: list[Any] = dataclasses.field(default_factory=list)
 
 
-class RLEngine(ModelForward, WeightExport, Closeable):
+class RLEngine(RouterReplayMixin, ModelForward, WeightExport, Closeable):
     """verl's engine surface (``BaseEngine``) for one role over a built model and optimizer.
 
     Built by :func:`verl_engine.build.build_rl_engine`; see the module docstring for the data path.
@@ -346,10 +347,9 @@ class RLEngine(ModelForward, WeightExport, Closeable):
             )
         call = self._start_call(data, loss_function, forward_only=forward_only)
         micro = self._plan(call.batch)
-        self.backend.run(
-            self, micro, lambda mb, model: self._step(call, mb, model), forward_only=forward_only
-        )
-        return self._finish_call(call)
+        with self.route_replay_call(data, call.batch, forward_only=forward_only) as routes:
+            self.backend.run(self, micro, lambda mb, m: self._step(call, mb, m), forward_only=forward_only)
+        return routes.attach(self._finish_call(call))
 
     def plan_cp_sizes(self, data: Mapping[str, Any]) -> list[tuple[int, ...]]:
         """The CP sizes verl-dyncp's planner gives each micro-batch of ``data`` (largest first): what a call
@@ -478,7 +478,10 @@ class RLEngine(ModelForward, WeightExport, Closeable):
         layout = self.cp_layout
         groups_per_pool = self.pool_size // (1 if layout.dynamic else layout.static_cp_size)
         splits = self.micro_batching.split(
-            batch.packed.seq_lens, pool=self.pool_size, groups_per_pool=groups_per_pool
+            batch.packed.seq_lens,
+            pool=self.pool_size,
+            groups_per_pool=groups_per_pool,
+            cp=(layout, self.cp_workload),
         )
         if self.pipeline.num_chunks > 1:
             splits = split_to_multiple(splits, multiple=self.pipeline.size)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from verl_engine.packed import split_packed_micro_batches
+from verl_dyncp.packing import pack_micro_batches
+from verl_engine.packed import CPLayout, split_packed_micro_batches
 
 __all__ = ["MicroBatching", "split_to_multiple"]
 
@@ -14,7 +16,9 @@ class MicroBatching:
     """How a call's sequences are cut into micro-batches (verl's keys of the role / engine section).
 
     ``use_dynamic_bsz``: micro-batches of at most ``max_token_len_per_gpu`` tokens per rank of the pool
-    (first-fit decreasing by length); else ``micro_batch_size_per_gpu`` sequences per rank, in input order.
+    (first-fit decreasing by length; under dynamic CP packed so that each runs at the CP size its longest
+    sequence needs, :func:`verl_dyncp.packing.pack_micro_batches`); else ``micro_batch_size_per_gpu``
+    sequences per rank, in input order.
     """
 
     use_dynamic_bsz: bool
@@ -32,10 +36,30 @@ class MicroBatching:
                 f" {self.micro_batch_size_per_gpu}"
             )
 
-    def split(self, seq_lens: tuple[int, ...], *, pool: int, groups_per_pool: int) -> list[tuple[int, ...]]:
-        """Sequence indices of every micro-batch (the same on every rank: it depends on lengths only)."""
+    def split(
+        self,
+        seq_lens: tuple[int, ...],
+        *,
+        pool: int,
+        groups_per_pool: int,
+        cp: tuple[CPLayout, Any] | None = None,
+    ) -> list[tuple[int, ...]]:
+        """Sequence indices of every micro-batch (the same on every rank: it depends on lengths only).
+
+        ``cp``: the engine's CP layout and verl-dyncp workload model; under dynamic CP with ``use_dynamic_bsz``
+        the micro-batches are packed for the planner (see the class).
+        """
         if self.use_dynamic_bsz:
             assert self.max_token_len_per_gpu is not None
+            if cp is not None and cp[0].dynamic:
+                assert cp[0].max_seqlen_per_dp_cp_rank is not None
+                return pack_micro_batches(
+                    seq_lens,
+                    dp_cp_size=pool,
+                    max_tokens_per_rank=self.max_token_len_per_gpu,
+                    max_seqlen_per_dp_cp_rank=cp[0].max_seqlen_per_dp_cp_rank,
+                    workload=cp[1],
+                )
             return split_packed_micro_batches(seq_lens, max_tokens=self.max_token_len_per_gpu * pool)
         assert self.micro_batch_size_per_gpu is not None
         per = self.micro_batch_size_per_gpu * groups_per_pool

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_mcore_utils.attention import SDPACoreAttention
 from verl_mcore_utils.compat import hf_rope_parameters, with_mlp_class
+from verl_mcore_utils.grouped_experts import use_grouped_experts
 from verl_mcore_utils.moe import make_moe_portable
 from verl_mcore_utils.rope import make_rope_portable
 from verl_mcore_utils.swiglu import FusedSwiGLUMLP
@@ -27,7 +28,8 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
 
     The MLP is :class:`verl_mcore_utils.swiglu.FusedSwiGLUMLP`: megatron-core's MLP whose gated SiLU runs
     as one Triton kernel on CUDA (megatron-core's own forward everywhere else). A config with experts
-    (``num_moe_experts``) gets megatron-core's MoE layer instead: router + sequential expert MLPs.
+    (``num_moe_experts``) gets megatron-core's MoE layer instead: router + sequential expert MLPs, or with
+    ``moe_grouped_gemm`` :class:`verl_mcore_utils.grouped_experts.GroupedExperts` (torch's grouped GEMM).
     """
     if tf_config.sequence_parallel:
         raise ValueError(
@@ -44,6 +46,8 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
     spec.submodules.self_attention.submodules.core_attention = core_attention
     if not experts:
         spec.submodules.mlp = with_mlp_class(spec.submodules.mlp, base=MLP, cls=FusedSwiGLUMLP)
+    elif tf_config.moe_grouped_gemm:
+        use_grouped_experts(spec)
     return spec
 
 

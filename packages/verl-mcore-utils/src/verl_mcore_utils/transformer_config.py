@@ -149,8 +149,9 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: 
     Routing: Qwen3-MoE takes the softmax over all experts, keeps the top k and, with ``norm_topk_prob``,
     renormalises them; a softmax over the top-k logits is the same thing, which is megatron-core's
     ``moe_router_pre_softmax=False``; without renormalisation it is ``pre_softmax=True``. The load-balancing
-    loss is the Switch-style aux loss with ``router_aux_loss_coef``. Experts are megatron-core's sequential
-    MLPs (no grouped GEMM without Transformer Engine here).
+    loss is the Switch-style aux loss with ``router_aux_loss_coef``. Experts are grouped (``moe_grouped_gemm``,
+    on as in verl's Qwen3-MoE config): :class:`verl_mcore_utils.grouped_experts.GroupedExperts` with torch's
+    grouped GEMM (no Transformer Engine); ``moe_grouped_gemm=False`` gives megatron-core's sequential MLPs.
     """
     sparse_step = hf_get(hf_config, "decoder_sparse_step", 1)
     dense_layers = list(hf_get(hf_config, "mlp_only_layers", None) or [])
@@ -172,7 +173,7 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: 
         "moe_router_pre_softmax": not bool(hf_get(hf_config, "norm_topk_prob", False)),
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": float(hf_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
-        "moe_grouped_gemm": False,
+        "moe_grouped_gemm": True,
     }
 
 

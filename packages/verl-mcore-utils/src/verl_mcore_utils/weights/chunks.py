@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from verl_mcore_utils.grouped_experts import expert_weight_views
 from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.names import TIED_OUTPUT, HFDims, ParamMapping, param_mappings
 
@@ -98,18 +99,37 @@ def local_megatron_params(
             if match:
                 layer = chunk.decoder.layers[int(match.group(1))]
                 global_name = f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+            views = expert_weight_views(global_name, param)
+            if views is not None:  # stacked experts: one entry per expert slice, SequentialMLP's names
+                for view_name, view in views:
+                    view_name = experts.global_name(view_name, num_experts=dims.num_experts)
+                    _add(out, table, view_name, view, index, name, dims)
+                continue
             global_name = experts.global_name(global_name, num_experts=dims.num_experts)
-            mapping = table.get(global_name)
-            if mapping is None:
-                raise ValueError(
-                    f"megatron parameter {global_name!r} (chunk {index}, local name {name!r}) has no Hugging Face"
-                    f" counterpart for {dims.model_type} with this config (num_hidden_layers={dims.num_layers},"
-                    f" qkv_bias={dims.qkv_bias}, qk_norm={dims.qk_norm}); was the model built from another config?"
-                )
-            if global_name in out:
-                raise ValueError(f"megatron parameter {global_name!r} appears in two model chunks")
-            out[global_name] = (mapping, param)
+            _add(out, table, global_name, param, index, name, dims)
     return out
+
+
+def _add(
+    out: dict[str, tuple[ParamMapping, torch.Tensor]],
+    table: dict[str, ParamMapping],
+    global_name: str,
+    param: torch.Tensor,
+    index: int,
+    name: str,
+    dims: HFDims,
+) -> None:
+    """Record ``param`` under ``global_name`` with its table entry; an unmapped or repeated name is an error."""
+    mapping = table.get(global_name)
+    if mapping is None:
+        raise ValueError(
+            f"megatron parameter {global_name!r} (chunk {index}, local name {name!r}) has no Hugging Face"
+            f" counterpart for {dims.model_type} with this config (num_hidden_layers={dims.num_layers},"
+            f" qkv_bias={dims.qkv_bias}, qk_norm={dims.qk_norm}); was the model built from another config?"
+        )
+    if global_name in out:
+        raise ValueError(f"megatron parameter {global_name!r} appears in two model chunks")
+    out[global_name] = (mapping, param)
 
 
 def full_shape(param: torch.Tensor, mapping: ParamMapping, tp_size: int) -> tuple[int, ...]:

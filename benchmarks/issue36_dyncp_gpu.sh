@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 36 part 4 alone: dynamic CP on Megatron-LM's dynamic-CP workload (12 layers, hidden 2048, lognormal lengths
+# of mean 1024 clipped to 128..8192, 2048 tokens per rank) vs static CP 4, 3 repeats in turn, and the one-GPU run
+# that measures the ideal-balance bound (about 5 minutes on 4 GPUs; the same runs as issue36_gpu.sh's part 4).
+# Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_dyncp_gpu.sh TAG OUT
+set -uo pipefail
+TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
+cd "$(dirname "$0")"
+RUN=(python3 -m torch.distributed.run --standalone)
+mkdir -p "$OUT/results"
+. ./_go.sh  # go LIMIT NAME CMD...
+D=(--preset 1b --layers 12 --vocab 32000 --mean 1024 --sigma 1.0 --min-len 128 --max-len 8192
+   --tokens-per-step 65536 --steps 5 --warmup 1)
+go 100 dyncp_megatron_workload_1gpu_$TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
+  --tokens-per-rank 8192 --layouts none --repeats 2 --out results/dyncp_megatron_workload_1gpu_$TAG.json
+go 240 dyncp_megatron_workload_$TAG "${RUN[@]}" --nproc-per-node 4 dyncp_longtail.py "${D[@]}" \
+  --tokens-per-rank 2048 --max-seqlen 2048 --layouts static4,dynamic --repeats 3 --targets \
+  --ideal-from results/dyncp_megatron_workload_1gpu_$TAG.json --out results/dyncp_megatron_workload_$TAG.json
+ls -l "$OUT/results"
