@@ -18,7 +18,7 @@ import torch
 
 from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.engine import RLEngine
-from verl_engine.expert_parallel import check_expert_parallel
+from verl_engine.expert_parallel import check_expert_parallel, expert_data_parallel_group, expert_sizes
 from verl_engine.micro_batching import MicroBatching
 from verl_engine.moe import MoeRouting, moe_routing
 from verl_engine.mtp import MtpSettings
@@ -112,7 +112,6 @@ def build_rl_engine(
         lora=lora,
         value_model=value_model,
     )
-    check_expert_parallel(engine, hf=model.hf, model_name=f"{model.path or '(hf_config)'}")
     debug = device.type == "cpu"
     refuse_router_replay_layout(engine, trains=optim is not None and not engine.forward_only)
     parallel = _parallel_state(engine, model=model, device=device, debug=debug)
@@ -200,6 +199,7 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
 
     from verl_mcore_utils.parallel import init_parallel
 
+    check_expert_parallel(engine, hf=model.hf, model_name=model.path or "(hf_config)")
     wanted = (
         engine.tensor_model_parallel_size,
         engine.pipeline_model_parallel_size,
@@ -208,13 +208,11 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
         engine.expert_tensor_parallel_size or engine.tensor_model_parallel_size,
     )
     if not ps.model_parallel_is_initialized():
-        # expert groups from the DP x CP pool (megatron-core's model is built at CP 1): see verl_engine.moe
         init_parallel(
             tensor_model_parallel_size=wanted[0],
             pipeline_model_parallel_size=wanted[1],
             virtual_pipeline_model_parallel_size=wanted[2],
-            expert_model_parallel_size=wanted[3],
-            expert_tensor_parallel_size=wanted[4],
+            **expert_sizes(engine),
             device=device.type,
         )
     initialised = (
@@ -265,8 +263,7 @@ def _transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=1,
-        expert_model_parallel_size=engine.expert_model_parallel_size,
-        expert_tensor_parallel_size=engine.expert_tensor_parallel_size,
+        **expert_sizes(engine),
         sequence_parallel=engine.sequence_parallel and parallel.tp > 1,
         # weight gradients accumulated into DDP's main_grad inside the GEMM, where the chunks get megatron DDP
         overrides=with_wgrad_fusion(
@@ -331,11 +328,7 @@ def _backend(optim: Any | None, *, debug: bool, pool: int) -> DebugBackend | Meg
         clip_grad=float(optim.clip_grad) if optim is not None else 0.0,
         pool_group=parallel_state.get_data_parallel_group(),
         pool_size=pool,
-        expert_group=parallel_state.get_expert_data_parallel_group()
-        if parallel_state.get_expert_model_parallel_world_size() > 1
-        or parallel_state.get_expert_tensor_parallel_world_size()
-        != parallel_state.get_tensor_model_parallel_world_size()
-        else None,
+        expert_group=expert_data_parallel_group(),
     )
 
 

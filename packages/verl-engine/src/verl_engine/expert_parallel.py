@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_expert_parallel"]
+__all__ = ["check_expert_parallel", "expert_data_parallel_group", "expert_sizes"]
 
 _KEY = "megatron.expert_model_parallel_size"
 _ETP = "megatron.expert_tensor_parallel_size"
@@ -36,6 +36,25 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def expert_sizes(engine: Any) -> dict[str, Any]:
+    """The engine section's expert sizes as keyword arguments (``init_parallel``, ``hf_to_transformer_config``)."""
+    return {
+        "expert_model_parallel_size": engine.expert_model_parallel_size,
+        "expert_tensor_parallel_size": engine.expert_tensor_parallel_size,
+    }
+
+
+def expert_data_parallel_group() -> Any:
+    """megatron-core's expert-data-parallel group when experts are split (EP > 1 or ETP other than TP), else
+    None (experts are reduced over the whole pool like every other parameter)."""
+    from megatron.core import parallel_state as ps
+
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if ep == 1 and etp == ps.get_tensor_model_parallel_world_size():
+        return None
+    return ps.get_expert_data_parallel_group()
 
 
 def _mcore_version() -> tuple[int, int]:
