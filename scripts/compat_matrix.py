@@ -143,7 +143,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
     (
         "verl-engine",
-        "mixture of experts: aux loss at DP / CP / dynamic CP",
+        "mixture of experts: aux loss at DP / CP / dynamic CP, expert parallelism",
         ("test_rl_engine_moe*", "test_gpu_moe"),
     ),
     (

@@ -79,6 +79,8 @@ def _engine(
         tensor_model_parallel_size=section.megatron.tensor_model_parallel_size,
         pipeline_model_parallel_size=section.megatron.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=section.megatron.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=section.megatron.expert_model_parallel_size,
+        expert_tensor_parallel_size=section.megatron.expert_tensor_parallel_size,
         device=device,
     )
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")

@@ -32,10 +32,14 @@ class DebugBackend:
 
     name = "debug (CPU, gloo, no DDP, torch AdamW, fp32)"
 
-    def __init__(self, *, clip_grad: float, pool_group: Any, pool_size: int) -> None:
+    def __init__(
+        self, *, clip_grad: float, pool_group: Any, pool_size: int, expert_group: Any = None
+    ) -> None:
         self.clip_grad = clip_grad
         self.pool_group = pool_group
         self.pool_size = pool_size
+        # expert parallelism: the expert-data-parallel group (the ranks holding the same experts), else None
+        self.expert_group = expert_group
 
     def run(self, engine: Any, micro: Sequence[Any], step: Step, *, forward_only: bool) -> None:
         with _moe_aux_loss_scale(engine, len(micro), forward_only=forward_only, schedule_sets_it=False):
@@ -70,7 +74,11 @@ class DebugBackend:
                 continue
             if p.grad is None:  # every rank must join every all-reduce
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.pool_group)
+            # megatron-core's DDP rule: an expert (allreduce=False) already holds the gradient of every token
+            # its EP group dispatched to it, so it is summed over the ranks holding the same expert only;
+            # divided by the whole pool either way
+            expert = self.expert_group is not None and not getattr(p, "allreduce", True)
+            dist.all_reduce(p.grad, group=self.expert_group if expert else self.pool_group)
             p.grad /= self.pool_size
 
     def zero_grad(self, engine: Any) -> None:
@@ -114,20 +122,31 @@ def _model_parallel_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
     """L2 norm of the whole model's gradient: TP shards and pipeline stages summed, each tensor once.
 
     megatron-core's rule: a parameter replicated over TP (norms, biases of row-parallel layers) counts on
-    TP rank 0 only.
+    TP rank 0 only. With expert parallelism the experts (``allreduce=False``) differ between EP ranks: their
+    squares are summed over the expert-model-parallel group (ETP x EP x PP), the rest over TP x PP.
     """
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
+    ep = ps.get_expert_model_parallel_world_size() > 1 or (
+        ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+    )
     sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
             continue
-        sq += p.grad.detach().double().pow(2).sum().cpu()
+        part = p.grad.detach().double().pow(2).sum().cpu()
+        if ep and not getattr(p, "allreduce", True):
+            expert_sq += part
+        else:
+            sq += part
     model_parallel = ps.get_model_parallel_group()
     if dist.get_world_size(model_parallel) > 1:
         dist.all_reduce(sq, group=model_parallel)
-    return float(sq.sqrt())
+    if ep:
+        dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return float((sq + expert_sq).sqrt())
 
 
 class MegatronBackend:

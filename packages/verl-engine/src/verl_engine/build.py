@@ -18,6 +18,7 @@ import torch
 
 from verl_engine.backends import DebugBackend, MegatronBackend
 from verl_engine.engine import RLEngine
+from verl_engine.expert_parallel import check_expert_parallel, expert_data_parallel_group, expert_sizes
 from verl_engine.micro_batching import MicroBatching
 from verl_engine.moe import MoeRouting, moe_routing
 from verl_engine.mtp import MtpSettings
@@ -198,26 +199,32 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
 
     from verl_mcore_utils.parallel import init_parallel
 
+    check_expert_parallel(engine, hf=model.hf, model_name=model.path or "(hf_config)")
     wanted = (
         engine.tensor_model_parallel_size,
         engine.pipeline_model_parallel_size,
         engine.virtual_pipeline_model_parallel_size,
+        engine.expert_model_parallel_size,
+        engine.expert_tensor_parallel_size or engine.tensor_model_parallel_size,
     )
     if not ps.model_parallel_is_initialized():
         init_parallel(
             tensor_model_parallel_size=wanted[0],
             pipeline_model_parallel_size=wanted[1],
             virtual_pipeline_model_parallel_size=wanted[2],
+            **expert_sizes(engine),
             device=device.type,
         )
     initialised = (
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
     )
     if initialised != wanted:
         raise ValueError(
-            f"megatron-core is initialised with tensor / pipeline / virtual pipeline sizes {initialised} but this"
+            f"megatron-core is initialised with TP / PP / VPP / EP / ETP sizes {initialised} but this"
             f" role's section asks for {wanted}; roles sharing a process group must share the model-parallel layout"
         )
     if debug and wanted[1] > 1 and model.hf.get("tie_word_embeddings") and not model.value_model:
@@ -256,6 +263,7 @@ def _transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=1,
+        **expert_sizes(engine),
         sequence_parallel=engine.sequence_parallel and parallel.tp > 1,
         # weight gradients accumulated into DDP's main_grad inside the GEMM, where the chunks get megatron DDP
         overrides=with_wgrad_fusion(
@@ -320,6 +328,7 @@ def _backend(optim: Any | None, *, debug: bool, pool: int) -> DebugBackend | Meg
         clip_grad=float(optim.clip_grad) if optim is not None else 0.0,
         pool_group=parallel_state.get_data_parallel_group(),
         pool_size=pool,
+        expert_group=expert_data_parallel_group(),
     )
 
 

@@ -259,9 +259,9 @@ def _load_other_layout(
         raise CheckpointError(
             f"{directory} was saved at TP={saved['tensor_model_parallel_size']},"
             f" PP={saved['pipeline_model_parallel_size']}, VPP={saved['virtual_pipeline_model_parallel_size']}"
-            f" ({saved['backend']}); this engine runs TP={current['tensor_model_parallel_size']},"
+            f" ({saved['backend']}, EP / ETP / world {saved.get('expert_layout')}); this engine runs TP={current['tensor_model_parallel_size']},"
             f" PP={current['pipeline_model_parallel_size']}, VPP={current['virtual_pipeline_model_parallel_size']}"
-            f" ({current['backend']}). Optimizer and RNG states are per rank and cannot change layout: load with"
+            f" ({current['backend']}, EP / ETP / world {current.get('expert_layout')}). Optimizer and RNG states are per rank and cannot change layout: load with"
             " load_optimizer=False to restore the model only (from its Hugging Face copy)"
         )
     sub = "lora_adapter" if meta.get("lora") else "hf"

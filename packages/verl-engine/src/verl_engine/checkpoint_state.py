@@ -72,7 +72,19 @@ def engine_layout(engine: Any) -> dict[str, Any]:
         else None,
         # Megatron-FSDP shards the model itself over DP
         "megatron_fsdp_dp": ps.get_data_parallel_world_size() if engine.megatron_fsdp else None,
+        # expert (tensor) parallelism: the pool's ranks hold different experts or expert slices, so no rank of
+        # the pool replicates another's file (None: every rank of the pool holds the same model shard)
+        "expert_layout": _expert_layout(),
     }
+
+
+def _expert_layout() -> list[int] | None:
+    from megatron.core import parallel_state as ps
+
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if ep == 1 and etp == ps.get_tensor_model_parallel_world_size():
+        return None
+    return [ep, etp, dist.get_world_size() if dist.is_initialized() else 1]
 
 
 def model_layout(layout: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -83,6 +95,7 @@ def model_layout(layout: Mapping[str, Any]) -> tuple[Any, ...]:
         layout["virtual_pipeline_model_parallel_size"],
         layout["backend"],
         layout.get("megatron_fsdp_dp"),
+        layout.get("expert_layout"),
     )
 
 

@@ -114,8 +114,16 @@ _LORA = "tests/test_rl_engine_lora_cpu.py::test_lora_engine_surface"
 _SETTINGS = "tests/test_rl_engine_settings_cpu.py::"
 _MTP = "tests/test_rl_engine_mtp_cpu.py::test_mtp_loss_matches_reference_and_is_independent_of_dp_and_cp"
 _NO_MOE = (
-    "verl-engine trains mixture-of-experts models (qwen3_moe) at expert parallel size 1 so far: every rank"
-    " holds every expert"
+    "moe_config.freeze_moe_router=true (frozen routers) is not implemented for mixture-of-experts models yet"
+)
+_EP = (
+    "tests/test_rl_engine_moe_ep_cpu.py::test_expert_parallel_step_equals_one_rank",
+    "tests/test_rl_engine_moe_ep_cpu.py::test_expert_parallel_refusals_name_the_key",
+    "tests/test_rl_engine_moe_ep_cpu.py::test_export_at_ep2_is_the_checkpoint_bitwise",
+)
+_ETP = (
+    "tests/test_rl_engine_moe_ep_cpu.py::test_expert_tensor_parallel_step_equals_one_rank",
+    "tests/test_rl_engine_moe_ep_cpu.py::test_expert_parallel_refusals_name_the_key",
 )
 _NO_QAT = "verl-engine has no quantisation-aware training; leave the qat sections at verl's defaults"
 _ENTROPY_CHUNKING = (
@@ -272,10 +280,8 @@ RULES: tuple[Rule, ...] = (
                "megatron.virtual_pipeline_model_parallel_size", "megatron.context_parallel_size",
                "megatron.sequence_parallel"),
          sections=_ROLES3, kind=_H, evidence=(_PIPELINE, _TP_CP, _PPO_STEP)),
-    Rule(keys=("megatron.expert_model_parallel_size",), sections=_ROLES3, kind=_R, allowed=one_of(1),
-         supported="1", reason=_NO_MOE, example=("megatron.expert_model_parallel_size=2",)),
-    Rule(keys=("megatron.expert_tensor_parallel_size",), sections=_ROLES3, kind=_R, allowed=one_of(None),
-         supported="null", reason=_NO_MOE, example=("megatron.expert_tensor_parallel_size=1",)),
+    Rule(keys=("megatron.expert_model_parallel_size",), sections=_ROLES3, kind=_H, evidence=_EP),
+    Rule(keys=("megatron.expert_tensor_parallel_size",), sections=_ROLES3, kind=_H, evidence=_ETP),
     Rule(keys=("megatron.use_distributed_optimizer",), sections=_ROLES3, kind=_H,
          evidence=("tests/test_gpu_construction.py::test_gradient_reduction_matches_the_setting",
                    "tests/test_config_to_mcore.py::test_engine_section_to_wrap_and_ddp_config")),
@@ -402,7 +408,7 @@ RULES: tuple[Rule, ...] = (
     Rule(keys=("lora.type",), sections=_MODELS, kind=_R, allowed=one_of("lora"), supported="lora",
          reason="verl_mcore_utils.lora implements plain LoRA (one adapter per linear)", example=("lora.type=dora",)),
     Rule(keys=("lora.a2a_experimental",), sections=_MODELS, kind=_R, allowed=one_of(False), supported="false",
-         reason="LoRA adapters on the experts' all-to-all are not implemented (verl-engine runs experts at expert parallel size 1)", example=("lora.a2a_experimental=true",)),
+         reason="LoRA adapters on the experts' all-to-all are not implemented (LoRA targets no expert in verl-engine)", example=("lora.a2a_experimental=true",)),
     Rule(keys=("lora.freeze_vision_model", "lora.freeze_vision_projection", "lora.freeze_language_model"),
          sections=_MODELS, kind=_R, allowed=one_of(True), supported="true",
          reason="verl-engine builds text-only models and LoRA always freezes the base model",

@@ -5,7 +5,9 @@ before every call (it assumes CPU initialisation followed by a GPU run). On a ho
 error, so a model built on the CPU for the CPU (fp32 parity tests, gloo) could not route a single token.
 :class:`PortableTopKRouter` computes the same logits where the weight is; :func:`make_moe_portable` turns
 the routers of a built model into it when the model lives on the CPU, and leaves CUDA models untouched
-(megatron-core's own fp32 routing function runs there).
+(megatron-core's own fp32 routing function runs there). With expert parallelism the CPU model's all-gather
+token dispatchers become :class:`~verl_mcore_utils.moe_dispatch.PortableAllGatherTokenDispatcher` (gloo
+collectives, unequal token counts per rank).
 """
 
 from __future__ import annotations
@@ -30,15 +32,23 @@ class PortableTopKRouter(TopKRouter):
 
 
 def make_moe_portable(model: torch.nn.Module, device: torch.device | str) -> int:
-    """Make every TopKRouter of ``model`` a :class:`PortableTopKRouter` when ``device`` is the CPU.
+    """Make every TopKRouter of ``model`` a :class:`PortableTopKRouter` and every all-gather token
+    dispatcher a portable one when ``device`` is the CPU.
 
     Returns the number of routers changed (0 for dense models and for CUDA devices).
     """
     if torch.device(device).type != "cpu":
         return 0
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from verl_mcore_utils.moe_dispatch import PortableAllGatherTokenDispatcher
+
     count = 0
     for module in model.modules():
         if type(module) is TopKRouter:
             module.__class__ = PortableTopKRouter
             count += 1
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if type(dispatcher) is MoEAllGatherTokenDispatcher:
+            dispatcher.__class__ = PortableAllGatherTokenDispatcher
     return count

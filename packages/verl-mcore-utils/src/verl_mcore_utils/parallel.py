@@ -43,6 +43,8 @@ def init_parallel(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     device: str = "cuda",
     timeout_s: int = 600,
 ) -> ParallelDims:
@@ -51,6 +53,9 @@ def init_parallel(
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as torchrun sets them; without
     them, runs as a single process. The layout is checked before any group is created.
     ``virtual_pipeline_model_parallel_size`` (interleaved 1F1B) is the number of model chunks per stage.
+    ``expert_model_parallel_size`` (EP): megatron-core carves the expert groups out of the data-parallel
+    ranks, so EP x ETP must divide world / PP; ``expert_tensor_parallel_size`` (ETP, None: equal to TP) splits
+    each expert's fc1 / fc2 like TP.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims(
@@ -65,6 +70,13 @@ def init_parallel(
         raise ValueError(
             f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs"
             f" pipeline_model_parallel_size > 1 (got {dims.pp}) and a value >= 2; or set it to None"
+        )
+    expert_tp = expert_tensor_parallel_size or dims.tp
+    if expert_model_parallel_size < 1 or (world_size // dims.pp) % (expert_model_parallel_size * expert_tp):
+        raise ValueError(
+            f"expert_model_parallel_size={expert_model_parallel_size} x expert_tensor_parallel_size={expert_tp}"
+            f" must divide the {world_size // dims.pp} ranks of a pipeline stage (world size / PP); expert groups"
+            " are carved out of them"
         )
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -83,6 +95,8 @@ def init_parallel(
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=dims.cp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     return dims
 

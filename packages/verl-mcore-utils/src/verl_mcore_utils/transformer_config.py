@@ -60,6 +60,8 @@ def hf_to_transformer_config(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     sequence_parallel: bool = False,
     use_cpu_initialization: bool = True,
     overrides: Mapping[str, Any] | None = None,
@@ -106,6 +108,8 @@ def hf_to_transformer_config(
         # megatron-core's alltoall dispatcher creates a CUDA stream when it is built.
         "moe_token_dispatcher_type": "alltoall" if not moe or torch.cuda.is_available() else "allgather",
         "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size,
         "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": use_cpu_initialization,
     }

@@ -101,6 +101,8 @@ class EngineWorker:
                 tensor_model_parallel_size=m.tensor_model_parallel_size,
                 pipeline_model_parallel_size=m.pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+                expert_model_parallel_size=m.expert_model_parallel_size,
+                expert_tensor_parallel_size=m.expert_tensor_parallel_size,
                 device=device,
             )
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")

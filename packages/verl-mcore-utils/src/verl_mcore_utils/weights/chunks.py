@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from verl_mcore_utils.grouped_experts import expert_weight_views
+from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.names import TIED_OUTPUT, HFDims, ParamMapping, param_mappings
 
 
@@ -81,8 +82,10 @@ def local_megatron_params(
     Public so that other exporters (verl_mfsdp) walk the same name table instead of a copy of it.
     Multi-token-prediction layers (``mtp.*``, see :mod:`verl_mcore_utils.mtp`) are left out: the supported
     Hugging Face architectures (Qwen2 / Qwen3 / Llama) have no MTP tensors (transformers drops them), so
-    they keep their initialisation on load and are not exported to a rollout engine.
+    they keep their initialisation on load and are not exported to a rollout engine. With expert parallelism
+    local experts are named by their global index (:mod:`verl_mcore_utils.weights.experts`).
     """
+    experts = expert_groups()
     table = {m.megatron_name: m for m in param_mappings(hf_config=dims)}
     if dims.tie_word_embeddings:
         table[TIED_OUTPUT.megatron_name] = TIED_OUTPUT
@@ -99,8 +102,10 @@ def local_megatron_params(
             views = expert_weight_views(global_name, param)
             if views is not None:  # stacked experts: one entry per expert slice, SequentialMLP's names
                 for view_name, view in views:
+                    view_name = experts.global_name(view_name, num_experts=dims.num_experts)
                     _add(out, table, view_name, view, index, name, dims)
                 continue
+            global_name = experts.global_name(global_name, num_experts=dims.num_experts)
             _add(out, table, global_name, param, index, name, dims)
     return out
 

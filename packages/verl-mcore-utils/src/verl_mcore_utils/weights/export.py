@@ -14,6 +14,7 @@ from verl_mcore_utils.weights.chunks import (
     model_parallel_groups,
     unwrap_model_chunks,
 )
+from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.fused import megatron_to_hf, tp_unshard
 from verl_mcore_utils.weights.names import TIED_OUTPUT, as_dims, few_names, param_mappings
 
@@ -35,7 +36,8 @@ def export_hf_weights(
 
     One tensor at a time so that a weight sync to a rollout engine never holds a second copy of the model.
     Each megatron parameter is all-gathered over the TP group by the stage that owns it and broadcast from
-    that stage over the PP group, so every rank receives every tensor; fused QKV and gate/up are split back
+    that stage over the PP group, so every rank receives every tensor (an expert is first broadcast from the
+    expert-parallel rank that holds it); fused QKV and gate/up are split back
     and vocabulary padding is cut off. With ``tie_word_embeddings`` no ``lm_head.weight`` is yielded
     (Hugging Face re-ties it to ``model.embed_tokens.weight`` on load).
 
@@ -47,6 +49,7 @@ def export_hf_weights(
     dims = as_dims(hf_config)
     chunks = unwrap_model_chunks(model_chunks)
     groups = model_parallel_groups()
+    experts = expert_groups()
     local = {
         name: entry
         for name, entry in local_megatron_params(chunks, dims).items()
@@ -54,9 +57,10 @@ def export_hf_weights(
     }
     device = next(p for c in chunks for p in c.parameters()).device
     owned = {
-        name: (full_shape(param, mapping, groups.tp_size), str(param.dtype))
+        name: (full_shape(param, mapping, experts.for_param(name, groups).tp_size), str(param.dtype))
         for name, (mapping, param) in local.items()
     }
+    owned = experts.with_other_ranks_experts(owned)
     # Which PP stage holds what: one object all-gather, so every rank can post matching broadcasts.
     if groups.pp_size > 1:
         by_stage: list[Any] = [None] * groups.pp_size
@@ -78,18 +82,24 @@ def export_hf_weights(
 
     for mapping in mappings:
         stage, shape, dtype = owners[mapping.megatron_name]
-        if stage == groups.pp_rank:
+        ep_owner = experts.owner(mapping.megatron_name, num_experts=dims.num_experts)
+        if stage == groups.pp_rank and ep_owner not in (None, experts.rank):
+            full = torch.empty(shape, dtype=_dtype(dtype), device=device)
+        elif stage == groups.pp_rank:
             param = local[mapping.megatron_name][1].detach()
-            if mapping.tp_dim is not None and groups.tp_size > 1:
+            tp = experts.for_param(mapping.megatron_name, groups)
+            if mapping.tp_dim is not None and tp.tp_size > 1:
                 # Plain torch.distributed, not megatron's tensor_parallel gather helpers: those allocate
                 # on torch.cuda.current_device(), which breaks gloo on CPU hosts.
-                parts = [torch.empty_like(param) for _ in range(groups.tp_size)]
-                dist.all_gather(parts, param.contiguous(), group=groups.tp_group)
+                parts = [torch.empty_like(param) for _ in range(tp.tp_size)]
+                dist.all_gather(parts, param.contiguous(), group=tp.tp_group)
                 full = tp_unshard(parts, mapping)
             else:
                 full = param
         else:
             full = torch.empty(shape, dtype=_dtype(dtype), device=device)
+        if stage == groups.pp_rank and ep_owner is not None:
+            full = experts.broadcast(full, owner=ep_owner)
         if groups.pp_size > 1:
             full = full.contiguous()
             dist.broadcast(full, src=dist.get_global_rank(groups.pp_group, stage), group=groups.pp_group)

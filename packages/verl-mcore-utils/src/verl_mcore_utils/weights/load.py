@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from verl_mcore_utils.weights.chunks import local_megatron_params, model_parallel_groups, unwrap_model_chunks
+from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.fused import hf_to_megatron, tp_shard
 from verl_mcore_utils.weights.names import HFDims, as_dims, few_names, hf_tensor_shapes
 
@@ -131,7 +132,8 @@ def load_hf_weights(
 
     dims = as_dims(hf_config)
     chunks = unwrap_model_chunks(model_chunks)
-    groups = model_parallel_groups()
+    all_groups = model_parallel_groups()
+    experts = expert_groups()
     heads = {
         id(p)
         for c in chunks
@@ -143,6 +145,7 @@ def load_hf_weights(
         src = _Source(source, stack)
         _check_source(src, dims)
         for meg_name, (mapping, param) in local.items():
+            groups = experts.for_param(meg_name, all_groups)  # experts: split over ETP
             full = hf_to_megatron(mapping, [src.get(n) for n in mapping.hf_names], hf_config=dims)
             if mapping.vocab_parallel:
                 padded = param.shape[0] * groups.tp_size
