@@ -100,20 +100,29 @@ def test_expert_parallel_step_equals_one_rank(moe_dir: str) -> None:
             assert worst < 1e-5, (name, key, worst)
 
 
+def _mcore_minor() -> tuple[int, int]:
+    from verl_mcore_utils.compat import mcore_version
+
+    return (mcore_version().major, mcore_version().minor)
+
+
+# ETP only where megatron-core runs it (>= 0.19); below, its refusal is test_expert_tensor_parallel_step_equals_one_rank's
+_EXPORT_SIZES = {
+    "ep2": [EP2],
+    "etp2": [
+        f"{AM}.expert_tensor_parallel_size=2",
+        f"+{AM}.override_transformer_config.moe_grouped_gemm=false",
+    ],
+}
+
+
 @pytest.mark.parametrize(
     "sizes",
-    [
-        [EP2],
-        [f"{AM}.expert_tensor_parallel_size=2", f"+{AM}.override_transformer_config.moe_grouped_gemm=false"],
-    ],
-    ids=["ep2", "etp2"],
+    [v for k, v in _EXPORT_SIZES.items() if k == "ep2" or _mcore_minor() >= (0, 19)],
+    ids=[k for k in _EXPORT_SIZES if k == "ep2" or _mcore_minor() >= (0, 19)],
 )
 def test_export_at_ep2_is_the_checkpoint_bitwise(moe_dir: str, sizes: list[str]) -> None:
     """EP 2 (experts broadcast from their EP rank) and ETP 2 (expert slices gathered): the checkpoint, bitwise."""
-    if sizes != [EP2] and _mcore_minor() < (0, 19):
-        pytest.skip(
-            "ETP is refused on megatron-core < 0.19 (test_expert_tensor_parallel_step_equals_one_rank)"
-        )
     from safetensors.torch import load_file
 
     exported = run_distributed(
@@ -184,12 +193,6 @@ def test_expert_parallel_refusals_name_the_key(
     with pytest.raises((ValueError, NotImplementedError)) as error:
         check_expert_parallel(_engine_section(**sizes), hf=config, model_name="tiny")
     assert all(n in str(error.value) for n in needles), str(error.value)
-
-
-def _mcore_minor() -> tuple[int, int]:
-    from verl_mcore_utils.compat import mcore_version
-
-    return (mcore_version().major, mcore_version().minor)
 
 
 def test_expert_tensor_parallel_step_equals_one_rank(moe_dir: str) -> None:
