@@ -143,6 +143,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
     (
         "verl-engine",
+        "mixture of experts with pipeline stages: PP, VPP, PP x DP, EP x PP, router replay",
+        ("test_rl_engine_moe_pp*", "test_gpu_moe_pp"),
+    ),
+    (
+        "verl-engine",
         "mixture of experts: aux loss at DP / CP / dynamic CP, expert parallelism",
         ("test_rl_engine_moe*", "test_gpu_moe"),
     ),

@@ -166,7 +166,7 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
         (
             {"pipeline_model_parallel_size": 2},
             {},
-            ["expert_model_parallel_size=2", "pipeline_model_parallel_size=2"],
+            ["expert_model_parallel_size=2", "1 ranks of the DP x CP pool", "x PP"],
         ),
         (
             {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 5},
@@ -184,8 +184,8 @@ def test_expert_parallel_refusals_name_the_key(
     monkeypatch, sizes: dict, hf: dict, needles: list[str]
 ) -> None:
     """Checked by build_rl_engine before any process group or model: EP not dividing the experts, EP x ETP not
-    dividing the pool, ETP not dividing the experts' width, a dense model, MoE at TP 2, EP with pipeline stages (megatron-core refuses its all-gather dispatcher with
-    the variable_seq_lengths pipeline stages need, which leaves the CPU no dispatcher)."""
+    dividing the pool, ETP not dividing the experts' width, a dense model, MoE at TP 2, EP not dividing a pipeline stage's pool (EP with PP runs:
+    tests/test_rl_engine_moe_pp_cpu.py)."""
     from verl_engine.expert_parallel import check_expert_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")

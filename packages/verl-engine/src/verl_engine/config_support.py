@@ -120,6 +120,7 @@ _EP = (
     "tests/test_rl_engine_moe_ep_cpu.py::test_expert_parallel_step_equals_one_rank",
     "tests/test_rl_engine_moe_ep_cpu.py::test_expert_parallel_refusals_name_the_key",
     "tests/test_rl_engine_moe_ep_cpu.py::test_export_at_ep2_is_the_checkpoint_bitwise",
+    "tests/test_rl_engine_moe_pp_cpu.py::test_moe_at_pp2_dp2_and_ep2_pp2_equals_one_rank",
 )
 _ETP = (
     "tests/test_rl_engine_moe_ep_cpu.py::test_expert_tensor_parallel_step_equals_one_rank",

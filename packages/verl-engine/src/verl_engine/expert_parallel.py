@@ -17,7 +17,9 @@ tokens over ETP x EP, each rank computes its slice of every local expert for all
 sums the slices' partial outputs.
 
 Dispatch: on CUDA megatron-core's all-to-all dispatcher; on the CPU its all-gather dispatcher with gloo
-collectives (:mod:`verl_mcore_utils.moe_dispatch`).
+collectives (:mod:`verl_mcore_utils.moe_dispatch`). Pipeline stages: megatron-core's expert groups are per stage
+(its expert rank generator has a PP dimension), so each stage's EP groups exchange that stage's layers' tokens;
+the pool, and what EP must divide, is world / (TP x PP).
 """
 
 from __future__ import annotations
@@ -96,11 +98,6 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
             " divisor"
         )
     problems = []
-    if pp > 1:
-        problems.append(
-            f"{what} with megatron.pipeline_model_parallel_size={pp}: expert parallelism with pipeline stages is"
-            f" not supported yet; set {_KEY}=1 ({_ETP}=null) or pipeline_model_parallel_size=1"
-        )
     if tp > 1:
         problems.append(
             f"{what} with megatron.tensor_model_parallel_size={tp}: mixture-of-experts models run at TP 1 so"

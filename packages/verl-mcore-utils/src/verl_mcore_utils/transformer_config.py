@@ -83,6 +83,7 @@ def hf_to_transformer_config(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     moe = _moe_fields(hf_config, tensor_model_parallel_size) if model_type in MOE_MODEL_TYPES else {}
+    dispatcher = "alltoall" if not moe or torch.cuda.is_available() else "allgather"
     kwargs: dict[str, Any] = {
         **_model_fields(hf_config, model_type),
         **moe,
@@ -101,12 +102,15 @@ def hf_to_transformer_config(
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
         "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
-        # stages exchange activations of any length (packed micro-batches differ): shapes travel first
-        "variable_seq_lengths": pipeline_model_parallel_size > 1,
+        # stages exchange activations of any length (packed micro-batches differ): shapes travel first. Only
+        # megatron-core's schedules read it (p2p shape exchange); a model on a host without CUDA runs the
+        # engine's own CPU pipeline, which always sends shapes, so there it stays off for MoE models:
+        # megatron-core refuses it with the allgather dispatcher those models get (see below).
+        "variable_seq_lengths": pipeline_model_parallel_size > 1 and dispatcher == "alltoall",
         # megatron-core refuses variable_seq_lengths with the default allgather MoE dispatcher even for dense
         # models (0.19); alltoall is what verl sets too. An MoE model on a host without CUDA gets allgather:
         # megatron-core's alltoall dispatcher creates a CUDA stream when it is built.
-        "moe_token_dispatcher_type": "alltoall" if not moe or torch.cuda.is_available() else "allgather",
+        "moe_token_dispatcher_type": dispatcher,
         "context_parallel_size": context_parallel_size,
         "expert_model_parallel_size": expert_model_parallel_size,
         "expert_tensor_parallel_size": expert_tensor_parallel_size,
