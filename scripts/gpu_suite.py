@@ -106,7 +106,12 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         200,
     ),
-    Chunk("moe2", 2, ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py"), 150),
+    Chunk(
+        "moe2",
+        2,
+        ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py", "tests/test_gpu_moe_pp.py"),
+        210,
+    ),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",
@@ -119,7 +124,7 @@ CHUNKS: tuple[Chunk, ...] = (
         200,
     ),
     Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 210),
-    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py",), 150),
+    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 230),
 )
 _GPU_MARK = re.compile(r"pytest\.mark\.(gpu|num_gpus)\b")
 

@@ -52,15 +52,14 @@ def global_names(engine: Any, named: dict[str, torch.Tensor], *, chunk: int = 0)
 
 
 def _chunk_tensors(engine: Any, what: str) -> dict[str, torch.Tensor]:
+    """This rank's reduced gradients (the backend's: main_grad under megatron-core's DDP) or weights."""
     from verl_mcore_utils.module import unwrap_model
 
     out: dict[str, torch.Tensor] = {}
     for c, chunk in enumerate(engine.chunks):
-        named = {
-            n: (p.grad if what == "grads" else p).detach().float().cpu().clone()
-            for n, p in unwrap_model(chunk).named_parameters()
-            if what != "grads" or p.grad is not None
-        }
+        params = dict(unwrap_model(chunk).named_parameters())
+        tensors = {n: engine.backend.gradient(p) if what == "grads" else p for n, p in params.items()}
+        named = {n: t.detach().float().cpu().clone() for n, t in tensors.items() if t is not None}
         out.update(global_names(engine, named, chunk=c))
     return out
 
@@ -94,4 +93,62 @@ def moe_ppo_steps(
                 "params": _chunk_tensors(engine, "params"),
             }
         )
+    return out
+
+
+def _train_step(engine: Any, cfg: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """forward_backward_batch with the PPO loss: loss, log-probs, gradients under global names (no update)."""
+    from verl_engine.losses import ppo_loss
+
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(
+            {**data, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        )
+        grads = _chunk_tensors(engine, "grads")
+        engine.optimizer_zero_grad()
+    return {"loss": float(out["loss"]), "grads": grads, "log_probs": out["model_output"]["log_probs"].float()}
+
+
+def _perturb_routers(engine: Any, *, scale: float) -> None:
+    """Noise on every router weight, drawn per global layer number: the same on every layout."""
+    from verl_engine.router_replay import decoder_routers
+
+    with torch.no_grad():
+        for router in decoder_routers(engine.chunks):
+            g = torch.Generator().manual_seed(11 + int(router.layer_number))
+            router.weight.add_(scale * torch.randn(router.weight.shape, generator=g).to(router.weight))
+
+
+def _infer(engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    with engine.eval_mode():
+        out = engine.infer_batch(data)["model_output"]
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def replay_across_stages(
+    rank: int, world_size: int, model_dir: str, layouts: list[list[str]], batch: dict[str, Any], scale: float
+) -> list[dict[str, Any]]:
+    """Per layout (R2): record; the update without replay and with the just-recorded routes; perturb the
+    routers by ``scale``; native and replayed forwards; the replayed update. Gradients under global names; the
+    experts this rank's routers used in the replayed forward, with the routers' columns in the routes."""
+    from verl_engine.router_replay import keep_seen
+
+    keep_seen(True)
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(
+            [*overrides, "actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "actor", model_dir, "cpu"
+        )
+        result: dict[str, Any] = {"recorded": _infer(engine, batch)}
+        routes = result["recorded"]["routed_experts"]
+        result["native_train"] = _train_step(engine, cfg, {**batch, "enable_routing_replay": False})
+        result["same_train"] = _train_step(engine, cfg, {**batch, "routed_experts": routes})
+        _perturb_routers(engine, scale=scale)
+        result["native"] = _infer(engine, batch)
+        result["replayed"] = _infer(engine, {**batch, "routed_experts": routes})
+        result["seen"] = [[t.cpu() for t in per] for per in engine.router_replay.seen_routes()]
+        result["columns"] = [s.column for s in engine.router_replay.states]
+        result["replay_train"] = _train_step(engine, cfg, {**batch, "routed_experts": routes})
+        out.append(result)
     return out

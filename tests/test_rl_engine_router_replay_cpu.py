@@ -20,8 +20,8 @@ A = "actor_rollout_ref.actor"
 AM = f"{A}.megatron"
 PROMPTS, RESPONSES = [3, 6, 1, 5], [7, 2, 5, 4]
 SCALE = 0.3  # router weight noise: 13 of the 33 tokens choose other experts afterwards
-# TP 2 with an MoE model is refused by verl_mcore_utils.transformer_config (not supported yet), EP > 1 by
-# verl_engine.config_support, PP by the replay itself (test_unsupported_replay_settings_are_refused_by_name)
+# TP 2 with an MoE model is refused by verl_mcore_utils.transformer_config (not supported yet); replay at PP 2,
+# EP 2 and EP 2 x PP 2: tests/test_rl_engine_moe_pp_cpu.py
 TWO_RANK_LAYOUTS = {
     "dp2": [],
     "cp2": [f"{AM}.context_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"],
@@ -181,16 +181,9 @@ def test_a_replaying_forward_in_which_a_router_did_not_replay_is_refused(moe_dir
     ("overrides", "expected"),
     [
         ([f"{AM}.router_replay.mode=R2", f"{AM}.router_replay.record_file=routes.pt"], "record_file"),
-        (
-            [
-                f"{AM}.router_replay.mode=R2",
-                f"{AM}.pipeline_model_parallel_size=2",
-                "trainer.n_gpus_per_node=2",
-            ],
-            "pipeline_model_parallel_size",
-        ),
+        ([f"{AM}.router_replay.mode=R2", f"{AM}.use_remove_padding=false"], "use_remove_padding=false"),
     ],
-    ids=["record_file", "pipeline"],
+    ids=["record_file", "padded_rows"],
 )
 def test_unsupported_replay_settings_are_refused_by_name(
     moe_dir: str, overrides: list[str], expected: str

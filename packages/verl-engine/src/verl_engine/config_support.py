@@ -48,14 +48,17 @@ __all__ = [
 ]
 
 _ROLES3 = (ACTOR, REF, CRITIC)
-_ROUTER_REPLAY = tuple(
-    f"tests/test_rl_engine_router_replay_cpu.py::{name}"
-    for name in (
-        "test_replaying_the_routes_just_recorded_changes_nothing",
-        "test_replay_forces_the_recorded_experts_after_the_routers_change",
-        "test_r2_records_in_the_old_log_prob_pass_and_the_update_replays_them",
-        "test_r3_replays_the_routes_given_in_the_batch",
-    )
+_ROUTER_REPLAY = (
+    *(
+        f"tests/test_rl_engine_router_replay_cpu.py::{name}"
+        for name in (
+            "test_replaying_the_routes_just_recorded_changes_nothing",
+            "test_replay_forces_the_recorded_experts_after_the_routers_change",
+            "test_r2_records_in_the_old_log_prob_pass_and_the_update_replays_them",
+            "test_r3_replays_the_routes_given_in_the_batch",
+        )
+    ),
+    "tests/test_rl_engine_moe_pp_cpu.py::test_router_replay_at_pp2_ep2_and_ep2_pp2_equals_one_rank",
 )
 _TRAINS = (ACTOR, CRITIC)
 _MODELS = (MODEL, CRITIC_MODEL)
@@ -340,8 +343,8 @@ RULES: tuple[Rule, ...] = (
          evidence=("tests/test_gpu_mfsdp.py::test_megatron_fsdp_matches_ddp_distributed_optimizer",)),
     Rule(keys=("megatron.router_replay.mode",), sections=(ACTOR, REF), kind=_H, evidence=_ROUTER_REPLAY,
          reason="verl_engine.router_replay: R2 records the routes in the old-log-prob pass and replays them in the"
-         " update, R3 replays the batch's routed_experts; a dense model, PP, EP, sequence parallelism and"
-         " unreplayable routers are refused by name at build; the reference policy never replays (as verl's)"),
+         " update, R3 replays the batch's routed_experts (also at PP and EP); a dense model, sequence parallelism,"
+         " padded rows and unreplayable routers are refused by name at build; the reference policy never replays (as verl's)"),
     Rule(keys=("megatron.router_replay.mode",), sections=(CRITIC,), kind=_R, allowed=one_of("disabled"),
          supported="disabled", reason="verl 0.9.1 replays the actor's routes only (its critic has no replay)",
          example=("megatron.router_replay.mode=R2",)),

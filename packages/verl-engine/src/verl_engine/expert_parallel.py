@@ -98,6 +98,11 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
             " divisor"
         )
     problems = []
+    if pp > 1 and etp != tp:
+        problems.append(
+            f"{_ETP}={etp} with megatron.pipeline_model_parallel_size={pp}: expert tensor parallelism with pipeline"
+            f" stages is not tested yet (EP with PP is); set {_ETP}=null or pipeline_model_parallel_size=1"
+        )
     if tp > 1:
         problems.append(
             f"{what} with megatron.tensor_model_parallel_size={tp}: mixture-of-experts models run at TP 1 so"

@@ -39,10 +39,12 @@ from typing import Any
 import torch
 
 from verl_engine.rl_batch import RLBatch, is_jagged, read_scalar
+from verl_engine.router_replay_stages import decoder_routers
 
 __all__ = [
     "ReplaySettings",
     "RouterReplayMixin",
+    "decoder_routers",
     "install_router_replay",
     "refuse_router_replay_layout",
     "router_replay_settings",
@@ -64,11 +66,7 @@ class ReplaySettings:
 
 def refuse_router_replay_layout(engine: Any, *, trains: bool) -> None:
     """The megatron section's replay refusals (files, layout), before any parallel state or model exists."""
-    config, pp, use_remove_padding = (
-        engine.router_replay,
-        engine.pipeline_model_parallel_size,
-        engine.use_remove_padding,
-    )
+    config, use_remove_padding = engine.router_replay, engine.use_remove_padding
     mode = getattr(config, "mode", "disabled")
     if mode == "disabled":
         return
@@ -78,12 +76,6 @@ def refuse_router_replay_layout(engine: Any, *, trains: bool) -> None:
         for key in ("record_file", "replay_file")
         if getattr(config, key, None) is not None
     ]
-    if trains and pp > 1:
-        problems.append(
-            f"megatron.pipeline_model_parallel_size={pp}: the routes of every stage's routers would have to be"
-            " gathered over the pipeline; not done yet (and megatron-core's all-gather token dispatcher, the"
-            " one that runs without CUDA streams, refuses pipeline stages)"
-        )
     if trains and not use_remove_padding:
         problems.append(
             "megatron.use_remove_padding=false: replay follows the packed (THD) token order, as verl's"
@@ -108,16 +100,10 @@ def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> Repl
     if not trains:  # the reference policy / forward-only engines: verl never replays there either
         return None
     c = tf_config
-    ep = getattr(c, "expert_model_parallel_size", 1)
     fusion = getattr(c, "moe_router_fusion", False)
     native = getattr(c, "moe_enable_routing_replay", False)
     balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
     checks = {
-        "megatron.expert_model_parallel_size": (
-            ep,
-            ep == 1,
-            "replay is not tested under expert parallelism yet",
-        ),
         "megatron.sequence_parallel": (
             c.sequence_parallel,
             not c.sequence_parallel,
@@ -173,6 +159,8 @@ class _RouterState:
     """One router's replay state: ``action`` None (native), "record" or "replay"."""
 
     layer_number: int
+    chunk: int = 0  # the model chunk (virtual pipeline stage) holding the router
+    column: int = 0  # the router's MoE layer among all stages' (its column in routed_experts)
     action: str | None = None
     targets: torch.Tensor | None = None  # [local tokens, k] int64
     mask: torch.Tensor | None = None  # [local tokens] bool: replay here, native elsewhere
@@ -275,29 +263,30 @@ def _wrap_router(router: torch.nn.Module, state: _RouterState) -> None:
     router.routing = types.MethodType(wrapped, router)
 
 
-def decoder_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The decoder's TopKRouters in layer order (MTP layers' routers excluded: the routes carry no rows for them)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from verl_mcore_utils.module import unwrap_model
-
-    out = []
-    for chunk in chunks:
-        gpt = unwrap_model(chunk)
-        out += [m for m in getattr(gpt, "decoder", gpt).modules() if isinstance(m, TopKRouter)]
-    return out
-
-
 class RouterReplay:
     """The replay machinery of one engine: its routers' states and the settings."""
 
-    def __init__(self, settings: ReplaySettings, routers: Sequence[torch.nn.Module]) -> None:
-        if not routers:
+    def __init__(
+        self,
+        settings: ReplaySettings,
+        routers: Sequence[tuple[int, torch.nn.Module]],
+        *,
+        pipeline_group: Any = None,
+    ) -> None:
+        """``routers``: (model chunk, router) of this rank; ``pipeline_group``: the stages (None: one stage)."""
+        from verl_engine.router_replay_stages import moe_layer_ordinals
+
+        numbers = [int(r.layer_number or i + 1) for i, (_, r) in enumerate(routers)]
+        columns, self.total = moe_layer_ordinals(numbers, group=pipeline_group)
+        if not self.total:
             raise NotImplementedError(f"{_MODE}={settings.mode}: the model has no top-k routers to replay")
         _patch_router_module()
-        self.settings = settings
-        self.states = [_RouterState(layer_number=int(r.layer_number or i + 1)) for i, r in enumerate(routers)]
-        for router, state in zip(routers, self.states, strict=True):
+        self.settings, self.pipeline_group = settings, pipeline_group
+        self.states = [
+            _RouterState(layer_number=n, chunk=c, column=col)
+            for n, (c, _), col in zip(numbers, routers, columns, strict=True)
+        ]
+        for (_, router), state in zip(routers, self.states, strict=True):
             _wrap_router(router, state)
 
     def set_action(self, action: str | None) -> None:
@@ -315,19 +304,21 @@ class RouterReplay:
     def layer_rows(self, width: int) -> list[int]:
         """Which slice of the routes' layer dim each router reads (MoE ordinal, or layer number - 1 when the
         routes hold every layer)."""
-        if width == len(self.states):
-            return list(range(width))
+        if width == self.total:
+            return [s.column for s in self.states]
         if width == self.settings.num_layers:
             return [s.layer_number - 1 for s in self.states]
         raise ValueError(
-            f"{KEY} holds {width} layers; the model has {len(self.states)} MoE layers of {self.settings.num_layers}"
+            f"{KEY} holds {width} layers; the model has {self.total} MoE layers of {self.settings.num_layers}"
         )
 
 
 def install_router_replay(engine: Any, settings: ReplaySettings | None) -> Any:
     """Give a built engine its router replay (None: none). Returns the engine."""
     if settings is not None:
-        engine.router_replay = RouterReplay(settings, decoder_routers(engine.chunks))
+        routers = [(c, r) for c, chunk in enumerate(engine.chunks) for r in decoder_routers([chunk])]
+        group = engine.pipeline.group if engine.pipeline.size > 1 else None
+        engine.router_replay = RouterReplay(settings, routers, pipeline_group=group)
     return engine
 
 
@@ -341,11 +332,18 @@ class _CallRoutes:
     routes: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     rows: list[int] = field(default_factory=list)
-    per_seq: list[Any] = field(default_factory=list)
+    per_layer: dict[int, list[Any]] = field(default_factory=dict)  # recorded: column -> per sequence [n, k]
+    replay: Any = None
 
     def attach(self, out: dict[str, Any]) -> dict[str, Any]:
         if self.action == "record" and self.batch is not None and "model_output" in out:
-            out["model_output"][KEY] = self.batch.to_input_layout(self.per_seq)
+            from verl_engine.router_replay_stages import join_stage_routes
+
+            r = self.replay
+            per_seq = join_stage_routes(
+                self.per_layer, total=r.total, size=self.batch.size, group=r.pipeline_group
+            )
+            out["model_output"][KEY] = self.batch.to_input_layout(per_seq)
         return out
 
 
@@ -377,36 +375,42 @@ class RouterReplayMixin:
         routes, replay = self._call_routes, self.router_replay
         if routes is None or routes.action is None or replay is None:
             return super()._stage_forward(model, mb, packed=packed)  # type: ignore[misc]
+        from verl_engine.router_replay_stages import chunk_of
+
+        chunk = chunk_of(self.chunks, model)  # type: ignore[attr-defined]
+        states = [s for s in replay.states if s.chunk == chunk]
         if routes.action == "replay":
             _set_targets(replay, routes, mb)
-        for s in replay.states:
+        for s in states:
             s.replayed = 0
             s.recorded.clear()
         out = super()._stage_forward(model, mb, packed=packed)  # type: ignore[misc]
         if routes.action == "replay":
-            missed = [s.layer_number for s in replay.states if s.replayed == 0]
+            missed = [s.layer_number for s in states if s.replayed == 0]
             if missed:
                 raise RuntimeError(
                     f"router replay ({replay.settings.mode}): the routers of layers {missed} did not replay in this"
                     " forward; their routing would be the model's own"
                 )
-        else:
-            self._keep_routes(replay, routes, mb)
+        elif states:
+            self._keep_routes(states, routes, mb)
         return out
 
-    def _keep_routes(self, replay: RouterReplay, routes: _CallRoutes, mb: Any) -> None:
+    def _keep_routes(self, states: list[_RouterState], routes: _CallRoutes, mb: Any) -> None:
         from verl_dyncp.planner import dynamic_cp_merge_output
 
-        missing = [s.layer_number for s in replay.states if len(s.recorded) != 1]
+        missing = [s.layer_number for s in states if len(s.recorded) != 1]
         if missing:
             raise RuntimeError(f"router replay (record): layers {missing} did not route exactly once")
-        local = torch.stack([s.recorded[0] for s in replay.states], dim=1)  # [local tokens, L, k]
+        local = torch.stack([s.recorded[0] for s in states], dim=1)  # [local tokens, L of this chunk, k]
         merged = dynamic_cp_merge_output(local, micro_batch=mb.split, groups=self.cp_groups)  # type: ignore[attr-defined]
         assert routes.batch is not None
         offset = 0
         for i in mb.indices:
             n = routes.batch.packed.seq_lens[i]
-            routes.per_seq[i] = merged[offset : offset + n].to(torch.int16).cpu()
+            for j, s in enumerate(states):
+                column = routes.per_layer.setdefault(s.column, [None] * routes.batch.size)
+                column[i] = merged[offset : offset + n, j].to(torch.int16).cpu()
             offset += n
 
 
@@ -433,7 +437,7 @@ def _call_routes(
 ) -> _CallRoutes:
     mode = replay.settings.mode
     if mode == "R2" and forward_only and KEY not in data:
-        return _CallRoutes(action="record", batch=batch, per_seq=[None] * batch.size)
+        return _CallRoutes(action="record", batch=batch, replay=replay)
     if KEY not in data or data[KEY] is None:
         how = (
             "R2 records them in the old-log-prob pass (compute_log_prob returns routed_experts): keep that key in"
