@@ -211,3 +211,21 @@ def test_expert_tensor_parallelism_with_pipeline_stages_is_refused_by_name(monke
     assert "expert_tensor_parallel_size=2" in str(error.value) and "pipeline_model_parallel_size=2" in str(
         error.value
     )
+
+
+def test_router_replay_with_recompute_across_stages_is_refused_by_name(moe_dir: str) -> None:
+    """A micro-batch's replay targets stay set for its backward's recompute only when that backward follows its
+    own forward; pipeline schedules run later forwards in between, so replay + recompute at PP > 1 is refused."""
+    from rl_engine_workers import build_error
+
+    overrides = [
+        "trainer.n_gpus_per_node=2",
+        "critic.ppo_micro_batch_size_per_gpu=1",
+        PP2,
+        f"{AM}.router_replay.mode=R2",
+        f"+{AM}.override_transformer_config.recompute_granularity=selective",
+    ]
+    for message in run_distributed(build_error, world_size=2, args=(moe_dir, overrides)):
+        assert "recompute_granularity=selective" in message and "pipeline_model_parallel_size=2" in message, (
+            message
+        )

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from verl_engine.rl_batch import RLBatch, is_jagged, read_scalar
-from verl_engine.router_replay_stages import decoder_routers
+from verl_engine.router_replay_stages import decoder_routers, stage_problems
 
 __all__ = [
     "ReplaySettings",
@@ -100,8 +100,7 @@ def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> Repl
     if not trains:  # the reference policy / forward-only engines: verl never replays there either
         return None
     c = tf_config
-    fusion = getattr(c, "moe_router_fusion", False)
-    native = getattr(c, "moe_enable_routing_replay", False)
+    fusion, native = getattr(c, "moe_router_fusion", False), getattr(c, "moe_enable_routing_replay", False)
     balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
     checks = {
         "megatron.sequence_parallel": (
@@ -145,7 +144,7 @@ def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> Repl
             "megatron-core's own replay would run beside the engine's",
         ),
     }
-    problems = [f"{key}={value}: {why}" for key, (value, ok, why) in checks.items() if not ok]
+    problems = [f"{k}={v}: {why}" for k, (v, ok, why) in checks.items() if not ok] + stage_problems(c)
     if problems:
         raise NotImplementedError(f"{_MODE}={mode}: " + "; ".join(problems))
     return ReplaySettings(

@@ -18,7 +18,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["chunk_of", "decoder_routers", "join_stage_routes", "moe_layer_ordinals"]
+__all__ = ["chunk_of", "decoder_routers", "join_stage_routes", "moe_layer_ordinals", "stage_problems"]
+
+
+def stage_problems(tf_config: Any) -> list[str]:
+    """What replay cannot do with pipeline stages: activation recompute. A micro-batch's targets stay set
+    until the next micro-batch's forward sets its own, which covers the backward's recompute only when that
+    backward follows its own forward (one stage); the pipeline schedules run later forwards in between."""
+    pp = getattr(tf_config, "pipeline_model_parallel_size", 1)
+    recompute = getattr(tf_config, "recompute_granularity", None)
+    if pp > 1 and recompute:
+        return [
+            f"recompute_granularity={recompute} with megatron.pipeline_model_parallel_size={pp}: the backward's"
+            " recompute of a micro-batch runs after later micro-batches' forwards and would replay their routes;"
+            " turn activation recompute off or use pipeline_model_parallel_size=1"
+        ]
+    return []
 
 
 def _gathered(value: Any, group: Any) -> list[Any]:
