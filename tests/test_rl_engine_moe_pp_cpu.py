@@ -229,3 +229,17 @@ def test_router_replay_with_recompute_across_stages_is_refused_by_name(moe_dir: 
         assert "recompute_granularity=selective" in message and "pipeline_model_parallel_size=2" in message, (
             message
         )
+
+
+def test_transformer_config_at_pp2_on_a_host_without_cuda() -> None:
+    """megatron-core refuses its all-gather dispatcher with variable_seq_lengths; a CPU MoE model gets that
+    dispatcher and leaves the flag (read only by megatron-core's schedules) off; a dense model keeps it."""
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA hosts give MoE models the all-to-all dispatcher")
+    moe = hf_to_transformer_config(tiny_hf_config("qwen3_moe").to_dict(), pipeline_model_parallel_size=2)
+    dense = hf_to_transformer_config(tiny_hf_config("qwen3").to_dict(), pipeline_model_parallel_size=2)
+    assert (moe.moe_token_dispatcher_type, moe.variable_seq_lengths) == ("allgather", False)
+    assert dense.variable_seq_lengths is True
