@@ -75,6 +75,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "mixture-of-experts models (Qwen3-MoE): HF parity, weights", ("test_moe",)),
     (
         "verl-mcore-utils",
+        "mixture-of-experts models (GLM-4.5: DeepSeek-V3 router, shared experts): HF parity, weights",
+        ("test_moe_glm",),
+    ),
+    (
+        "verl-mcore-utils",
         "grouped experts without Transformer Engine (torch._grouped_mm)",
         ("test_grouped_experts", "test_gpu_grouped_experts"),
     ),
