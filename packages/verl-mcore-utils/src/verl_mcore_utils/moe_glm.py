@@ -30,23 +30,28 @@ __all__ = ["glm4_moe_fields", "moe_layer_pattern"]
 
 def moe_layer_pattern(hf_config: Mapping[str, Any] | Any) -> list[int]:
     """megatron-core's ``moe_layer_freq`` list: 0 for the first ``first_k_dense_replace`` (dense) layers, then 1."""
-    from verl_mcore_utils.transformer_config import hf_get
-
     layers = int(hf_get(hf_config, "num_hidden_layers"))
     dense = min(int(hf_get(hf_config, "first_k_dense_replace", 0) or 0), layers)
     return [0] * dense + [1] * (layers - dense)
 
 
-def glm4_moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: int) -> dict[str, Any]:
-    """The TransformerConfig MoE fields of a ``glm4_moe`` config; what megatron-core computes otherwise is refused."""
-    from verl_mcore_utils.transformer_config import hf_get, hf_num_experts
+def hf_get(hf_config: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
+    """``key`` of a config.json mapping or a PretrainedConfig (as ``transformer_config.hf_get``, which imports
+    this module)."""
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
 
+
+def glm4_moe_fields(
+    hf_config: Mapping[str, Any] | Any, *, experts: int, tensor_model_parallel_size: int
+) -> dict[str, Any]:
+    """The TransformerConfig MoE fields of a ``glm4_moe`` config; what megatron-core computes otherwise is refused."""
     if tensor_model_parallel_size != 1:
         raise ValueError(
             f"tensor_model_parallel_size={tensor_model_parallel_size} with the mixture-of-experts model"
             " 'glm4_moe' is not supported yet; use tensor_model_parallel_size=1"
         )
-    experts = hf_num_experts(hf_config)
     topk = int(hf_get(hf_config, "num_experts_per_tok"))
     norm = bool(hf_get(hf_config, "norm_topk_prob", True))
     if norm != (topk > 1):
