@@ -148,6 +148,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
     (
         "verl-engine",
+        "GLM-4.5 MoE (DeepSeek-V3 router): expert-bias update at DP / CP / dynamic CP",
+        ("test_rl_engine_moe_glm*",),
+    ),
+    (
+        "verl-engine",
         "mixture of experts: aux loss at DP / CP / dynamic CP, expert parallelism",
         ("test_rl_engine_moe*", "test_gpu_moe"),
     ),

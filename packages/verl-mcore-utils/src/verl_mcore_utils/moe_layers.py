@@ -11,6 +11,11 @@ megatron-core 0.19's ``TopKRouter.__init__`` allocates ``expert_bias`` and ``loc
 an expert-bias router. :func:`cpu_expert_bias` builds the model with the flag off and gives every router the two
 buffers afterwards, on the CPU, as megatron-core's ``__init__`` would (float32 zeros; the bias persistent, the
 token counts not).
+
+megatron-core 0.19.2's ``TopKRouter._apply_expert_bias`` masks padding with ``routing_map & ~padding_mask``:
+``[tokens, experts]`` against the flattened ``[tokens]`` mask, which fails to broadcast (and would mask the wrong
+axis where the counts happen to agree). :func:`add_expert_bias` gives every expert-bias router the same count
+with the mask on the token axis (CPU and CUDA models; 0.14 counts inline, without a mask, and never calls it).
 """
 
 from __future__ import annotations
@@ -81,15 +86,33 @@ def cpu_expert_bias(tf_config: TransformerConfig, device: torch.device | str) ->
         tf_config.moe_router_enable_expert_bias = True
 
 
+def _count_routed_tokens(
+    router: torch.nn.Module, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> None:
+    """megatron-core's expert-bias token count (training forwards only) with padding (True) masked per token."""
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            router.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
 def add_expert_bias(model: torch.nn.Module, tf_config: TransformerConfig) -> int:
-    """Give every router of ``model`` built under :func:`cpu_expert_bias` its expert-bias buffers (CPU)."""
+    """Give every router of ``model`` built under :func:`cpu_expert_bias` its expert-bias buffers (CPU), and
+    every expert-bias router the padding-correct token count. Returns the number of routers."""
+    import functools
+
     from megatron.core.transformer.moe.router import TopKRouter
 
     if not tf_config.moe_router_enable_expert_bias:
         return 0
     count = 0
     for module in model.modules():
-        if isinstance(module, TopKRouter) and getattr(module, "expert_bias", None) is None:
+        if not isinstance(module, TopKRouter):
+            continue
+        module._apply_expert_bias = functools.partial(_count_routed_tokens, module)
+        count += 1
+        if getattr(module, "expert_bias", None) is None:
             experts = tf_config.num_moe_experts
             for name in ("local_tokens_per_expert", "expert_bias"):  # plain ``None`` attributes until now
                 if name in vars(module):
@@ -97,5 +120,4 @@ def add_expert_bias(model: torch.nn.Module, tf_config: TransformerConfig) -> int
             module.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
             module.register_buffer("expert_bias", torch.zeros(experts))
             module.enable_expert_bias = True
-            count += 1
     return count

@@ -1,0 +1,54 @@
+"""Rank workers of ``test_rl_engine_moe_glm_cpu.py``: one PPO step of a GLM-4.5 (``glm4_moe``) actor per layout,
+with the routers' expert bias (a buffer: not among the parameters the shared workers return) before and after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def ppo_step_with_expert_bias(
+    rank: int, world_size: int, model_dir: str, layouts: list[list[str]], batch: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One actor train_batch with the PPO loss per layout: gradients, updated parameters and expert biases."""
+    from functools import partial
+
+    from rl_engine_workers import _engine
+
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+    from verl_mcore_utils.weights.chunks import expert_bias_buffers
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        model = unwrap_model(engine.model)
+        bias_before = {n: b.detach().clone() for n, b in expert_bias_buffers(model)}
+        loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            result = engine.forward_backward_batch({**batch, "calculate_entropy": True}, loss_fn)
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            counts = {
+                n: m.local_tokens_per_expert.detach().clone()
+                for n, m in model.named_modules()
+                if getattr(m, "local_tokens_per_expert", None) is not None
+            }
+            result["metrics"]["grad_norm"] = engine.optimizer_step()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        bias = {n: b.detach().clone() for n, b in expert_bias_buffers(model)}
+        counts_after = {
+            n: m.local_tokens_per_expert.detach().clone() for n, m in model.named_modules() if n in counts
+        }
+        out.append(
+            {
+                "metrics": result["metrics"],
+                "loss": result["loss"],
+                "params": params,
+                "grads": grads,
+                "bias_before": bias_before,
+                "bias": bias,
+                "counts": counts,
+                "counts_after": counts_after,
+            }
+        )
+    return out
