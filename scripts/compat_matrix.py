@@ -149,7 +149,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "verl-engine",
         "GLM-4.5 MoE (DeepSeek-V3 router): expert-bias update at DP / CP / dynamic CP",
-        ("test_rl_engine_moe_glm*",),
+        ("test_rl_engine_moe_glm*", "test_gpu_moe_glm"),
     ),
     (
         "verl-engine",

@@ -7,9 +7,15 @@ from typing import Any
 
 
 def ppo_step_with_expert_bias(
-    rank: int, world_size: int, model_dir: str, layouts: list[list[str]], batch: dict[str, Any]
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    layouts: list[list[str]],
+    batch: dict[str, Any],
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
-    """One actor train_batch with the PPO loss per layout: gradients, updated parameters and expert biases."""
+    """One actor train_batch with the PPO loss per layout: gradients (the backend's reduced ones), updated
+    parameters and expert biases, and the routers' token counts before and after the step (on the CPU)."""
     from functools import partial
 
     from rl_engine_workers import _engine
@@ -20,24 +26,30 @@ def ppo_step_with_expert_bias(
 
     out = []
     for overrides in layouts:
-        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        engine, cfg = _engine(overrides, "actor", model_dir, device)
         model = unwrap_model(engine.model)
-        bias_before = {n: b.detach().clone() for n, b in expert_bias_buffers(model)}
+        bias_before = {n: b.detach().cpu().clone() for n, b in expert_bias_buffers(model)}
         loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
         with engine.train_mode():
             engine.optimizer_zero_grad()
             result = engine.forward_backward_batch({**batch, "calculate_entropy": True}, loss_fn)
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads = {
+                n: g.detach().float().cpu().clone()
+                for n, p in model.named_parameters()
+                if (g := engine.backend.gradient(p)) is not None
+            }
             counts = {
-                n: m.local_tokens_per_expert.detach().clone()
+                n: m.local_tokens_per_expert.detach().cpu().clone()
                 for n, m in model.named_modules()
                 if getattr(m, "local_tokens_per_expert", None) is not None
             }
             result["metrics"]["grad_norm"] = engine.optimizer_step()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        bias = {n: b.detach().clone() for n, b in expert_bias_buffers(model)}
+        params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        bias = {n: b.detach().cpu().clone() for n, b in expert_bias_buffers(model)}
         counts_after = {
-            n: m.local_tokens_per_expert.detach().clone() for n, m in model.named_modules() if n in counts
+            n: m.local_tokens_per_expert.detach().cpu().clone()
+            for n, m in model.named_modules()
+            if n in counts
         }
         out.append(
             {

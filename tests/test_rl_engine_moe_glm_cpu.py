@@ -6,7 +6,10 @@ dynamic CP on 2 ranks gives the gradients, the updated weights and the updated e
 on one rank (1e-5 relative; the biases bit for bit). The expert bias is not trained by gradients: after the
 step it moves by ``moe_router_bias_update_rate`` x sign(mean load - load), the loads summed over the whole DP x CP
 pool (:mod:`verl_engine.expert_bias`, megatron-core's ``finalize_model_grads`` rule); the test checks that it
-moved, by exactly the rate, and that the token counts were zeroed after the update.
+moved, by exactly the rate, and that the token counts were zeroed after the update. Expert parallelism: EP 2
+(4 experts per rank, grouped experts) at DP 2, static CP 2 and dynamic CP equals the same one-rank step, and the
+weight export at EP 2 is the checkpoint, bitwise (expert bias and shared experts included). megatron-core < 0.16
+refuses two ranks by name (no padding mask for the expert-bias counts).
 """
 
 from __future__ import annotations
@@ -113,3 +116,60 @@ def test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank(glm_dir: str) -> Non
 
 def _supports_two_ranks() -> bool:
     return _padding_mask_supported()
+
+
+EP2 = f"{AM}.expert_model_parallel_size=2"
+
+
+def _gathered_ep2(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Both EP ranks' ``key`` tensors by global expert name (4 of the 8 experts each); the rest (router, expert
+    bias, shared experts, attention) is replicated and must agree bitwise."""
+    from test_rl_engine_moe_ep_cpu import _global
+
+    out: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(per_rank):
+        for name, value in _global(result[key], ep_rank=rank, local=4).items():
+            if name in out:
+                assert ".local_experts." not in name and torch.equal(out[name], value), (key, name, rank)
+            out.setdefault(name, value)
+    return out
+
+
+def test_expert_parallel_step_equals_one_rank(glm_dir: str) -> None:
+    """EP 2 (grouped experts, 4 per rank) at DP 2, static CP 2 and dynamic CP: the step of one rank at EP 1."""
+    if not _supports_two_ranks():
+        return  # refused as in test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank
+    from test_rl_engine_moe_ep_cpu import _per_expert
+
+    layouts = {name: [EP2, *overrides] for name, overrides in TWO_RANK_LAYOUTS.items()}
+    one = _steps(1, glm_dir, {"one": []})[0]["one"]
+    per_rank = _steps(2, glm_dir, layouts)
+    for name in layouts:
+        results = [ranks[name] for ranks in per_rank]
+        for result in results:
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
+            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
+                name
+            )
+            for bias_name, bias in result["bias"].items():
+                assert torch.equal(bias, one["bias"][bias_name]), (name, bias_name)
+        for key in ("grads", "params"):
+            worst = _worst(_gathered_ep2(results, key), _per_expert(one[key]))
+            print(f"\nEP 2 {name} {key}: worst rel. error {worst:.2e}")
+            assert worst < 1e-5, (name, key, worst)
+
+
+def test_export_at_ep2_is_the_checkpoint_bitwise(glm_dir: str) -> None:
+    """Experts broadcast from their EP rank, expert bias and shared experts included: the checkpoint, bitwise."""
+    if not _supports_two_ranks():
+        return  # the actor is refused on two ranks (test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank)
+    from pathlib import Path
+
+    from moe_ep_workers import export_state
+    from safetensors.torch import load_file
+
+    overrides = ["trainer.n_gpus_per_node=2", EP2]
+    exported = run_distributed(export_state, world_size=2, args=(glm_dir, overrides))[0]
+    checkpoint = load_file(str(Path(glm_dir) / "model.safetensors"))
+    assert sorted(exported) == sorted(checkpoint)
+    assert all(torch.equal(exported[n], checkpoint[n]) for n in checkpoint)
