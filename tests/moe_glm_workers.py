@@ -64,3 +64,29 @@ def ppo_step_with_expert_bias(
             }
         )
     return out
+
+
+def checkpoint_keeps_expert_bias(
+    rank: int, world_size: int, model_dir: str, overrides: list[str], batch: dict[str, Any], root: str
+) -> dict[str, Any]:
+    """A step, a checkpoint, a fresh actor loading it: the expert biases before the save and after the load."""
+    from functools import partial
+
+    from rl_engine_workers import _engine
+
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+    from verl_mcore_utils.weights.chunks import expert_bias_buffers
+
+    engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+    with engine.train_mode():
+        engine.train_batch(
+            {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+        )
+    saved = {n: b.clone() for n, b in expert_bias_buffers(unwrap_model(engine.model))}
+    engine.save_checkpoint(root, global_step=1)
+    fresh, _ = _engine(overrides, "actor", model_dir, "cpu")
+    initial = {n: b.clone() for n, b in expert_bias_buffers(unwrap_model(fresh.model))}
+    fresh.load_checkpoint(root)
+    loaded = {n: b.clone() for n, b in expert_bias_buffers(unwrap_model(fresh.model))}
+    return {"saved": saved, "initial": initial, "loaded": loaded}

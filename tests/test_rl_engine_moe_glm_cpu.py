@@ -9,7 +9,8 @@ pool (:mod:`verl_engine.expert_bias`, megatron-core's ``finalize_model_grads`` r
 moved, by exactly the rate, and that the token counts were zeroed after the update. Expert parallelism: EP 2
 (4 experts per rank, grouped experts) at DP 2, static CP 2 and dynamic CP equals the same one-rank step, and the
 weight export at EP 2 is the checkpoint, bitwise (expert bias and shared experts included). megatron-core < 0.16
-refuses two ranks by name (no padding mask for the expert-bias counts).
+refuses two ranks by name (no padding mask for the expert-bias counts). The engine checkpoint stores the expert
+bias (a buffer) and restores it.
 """
 
 from __future__ import annotations
@@ -173,3 +174,18 @@ def test_export_at_ep2_is_the_checkpoint_bitwise(glm_dir: str) -> None:
     checkpoint = load_file(str(Path(glm_dir) / "model.safetensors"))
     assert sorted(exported) == sorted(checkpoint)
     assert all(torch.equal(exported[n], checkpoint[n]) for n in checkpoint)
+
+
+def test_engine_checkpoint_keeps_the_expert_bias(glm_dir: str, tmp_path) -> None:
+    """The expert bias is a buffer, not a parameter: the engine's checkpoint stores and restores it all the same."""
+    from moe_glm_workers import checkpoint_keeps_expert_bias
+
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    overrides = ["trainer.n_gpus_per_node=1", f"{A}.ppo_micro_batch_size_per_gpu=4", *STEP]
+    (got,) = run_distributed(
+        checkpoint_keeps_expert_bias, world_size=1, args=(glm_dir, overrides, batch, str(tmp_path / "ckpt"))
+    )
+    assert got["saved"] and got["saved"].keys() == got["loaded"].keys()
+    for name, bias in got["saved"].items():
+        assert not torch.equal(got["initial"][name], bias), name  # the step moved it: the load is seen
+        assert torch.equal(got["loaded"][name], bias), name

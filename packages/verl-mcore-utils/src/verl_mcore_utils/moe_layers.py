@@ -34,9 +34,11 @@ __all__ = ["add_expert_bias", "cpu_expert_bias", "mixed_block_spec", "mixed_laye
 def mixed_layers(tf_config: TransformerConfig) -> list[int] | None:
     """The 0 (dense) / 1 (MoE) list of a config with dense layers among MoE layers; None otherwise."""
     freq = tf_config.moe_layer_freq
-    if not tf_config.num_moe_experts or not isinstance(freq, list) or 0 not in freq:
-        if isinstance(freq, int) and freq != 1:
-            raise ValueError(f"moe_layer_freq={freq} is not supported; give a 0/1 list per layer")
+    if not tf_config.num_moe_experts:
+        return None
+    if isinstance(freq, int) and freq != 1:
+        raise ValueError(f"moe_layer_freq={freq} is not supported; give a 0/1 list per layer")
+    if not isinstance(freq, list) or 0 not in freq:
         return None
     if len(freq) != tf_config.num_layers:
         raise ValueError(f"moe_layer_freq has {len(freq)} entries for {tf_config.num_layers} layers")
