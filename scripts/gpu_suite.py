@@ -109,8 +109,13 @@ CHUNKS: tuple[Chunk, ...] = (
     Chunk(
         "moe2",
         2,
-        ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py", "tests/test_gpu_moe_pp.py"),
-        210,
+        (
+            "tests/test_gpu_moe.py",
+            "tests/test_gpu_router_replay.py",
+            "tests/test_gpu_moe_glm.py",
+            "tests/test_gpu_moe_pp.py",
+        ),
+        240,
     ),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(

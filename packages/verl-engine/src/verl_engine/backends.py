@@ -101,6 +101,9 @@ class DebugBackend:
                 for p in params:
                     p.grad.mul_(coef)
         engine.optimizer.step()
+        from verl_engine.expert_bias import update_expert_bias
+
+        update_expert_bias(engine.chunks)  # megatron-core does it in finalize_model_grads (megatron backend)
         return norm
 
 
