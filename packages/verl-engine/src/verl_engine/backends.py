@@ -60,6 +60,11 @@ class DebugBackend:
                 if loss is not None:
                     loss.backward()
         if not forward_only:
+            from verl_engine.tp_grads import sum_tp_shared_grads
+
+            sum_tp_shared_grads(
+                engine.chunks
+            )  # norms under SP, routers, q / k norms (finalize_model_grads' rule)
             self._average_gradients(engine.model)
             if engine.mtp_embedding_copy:
                 from verl_mcore_utils.mtp import sync_mtp_embedding
