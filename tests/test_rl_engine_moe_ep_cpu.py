@@ -159,11 +159,6 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
         ),
         ({}, {"model_type": "qwen3"}, ["expert_model_parallel_size=2", "dense model"]),
         (
-            {"tensor_model_parallel_size": 2},
-            {},
-            ["expert_model_parallel_size=2", "tensor_model_parallel_size=2"],
-        ),
-        (
             {"pipeline_model_parallel_size": 2},
             {},
             ["expert_model_parallel_size=2", "pipeline_model_parallel_size=2"],
@@ -184,7 +179,7 @@ def test_expert_parallel_refusals_name_the_key(
     monkeypatch, sizes: dict, hf: dict, needles: list[str]
 ) -> None:
     """Checked by build_rl_engine before any process group or model: EP not dividing the experts, EP x ETP not
-    dividing the pool, ETP not dividing the experts' width, a dense model, MoE at TP 2, EP with pipeline stages (megatron-core refuses its all-gather dispatcher with
+    dividing the pool, ETP not dividing the experts' width, a dense model, EP with pipeline stages (megatron-core refuses its all-gather dispatcher with
     the variable_seq_lengths pipeline stages need, which leaves the CPU no dispatcher)."""
     from verl_engine.expert_parallel import check_expert_parallel
 

@@ -72,10 +72,12 @@ class DebugBackend:
                 sync_mtp_embedding(engine.chunks, grads=True)
 
     def _average_gradients(self, model: torch.nn.Module) -> None:
-        if self.pool_size == 1:
+        # the expert-DP group can be larger than the pool (ETP 1 at TP 2: TP ranks hold the same experts)
+        experts_only = self.pool_size == 1
+        if experts_only and (self.expert_group is None or dist.get_world_size(self.expert_group) == 1):
             return
         for p in model.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or (experts_only and getattr(p, "allreduce", True)):
                 continue
             if p.grad is None:  # every rank must join every all-reduce
                 p.grad = torch.zeros_like(p)
