@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelNorm", "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelNorm", "block_spec_with_final_norm", "with_sequence_parallel_norms"]
 
 
 class SequenceParallelNorm:
