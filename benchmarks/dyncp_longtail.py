@@ -18,7 +18,9 @@ spread over the GPUs:
 A ``+te`` suffix (``static4+te``, ``dynamic+te``) runs the layout with Transformer Engine's attention
 (megatron.packed_attention_backend=te: TE's fused attention and TE's own ring CP) instead of verl-dyncp's.
 
-Model: the engine's Qwen2 preset (``--preset``), bf16, megatron-core DDP + distributed optimizer, verl-dyncp
+Model: the engine's Qwen2 preset (``--preset``), or Qwen3-30B-A3B's MoE shape with fewer layers (``--model
+qwen3-30b-a3b --layers N --ep 4``: 128 experts, top 8, grouped experts, expert parallelism over the pool; its
+records add MFU counting active parameters only), bf16, megatron-core DDP + distributed optimizer, verl-dyncp
 attention with torch's varlen flash kernel (Transformer Engine's with ``+te``). Tokens/s counts real (unpadded) tokens
 of the global batch per second of optimizer step, averaged over the steps after ``--warmup``; peak memory is
 torch.cuda.max_memory_allocated, the maximum over ranks. One process group; the layouts run one after the
@@ -44,6 +46,31 @@ from _common import StepProfile, slowest_rank_seconds
 from _record import update_target, write_record
 
 LAYOUTS = ("none", "static2", "static4", "dynamic", "dynamic@8192")
+PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
+# Qwen3-30B-A3B's Hugging Face config, all but the number of layers (``--layers``; 48 in the release).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "vocab_size": 151936,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "attention_bias": False, "attention_dropout": 0.0,
+    "output_router_logits": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def moe_flops_per_sequence(hf: dict[str, Any], length: int) -> float:
+    """Model FLOPs of one training pass over one sequence of a Qwen3-MoE config, active parameters only.
+
+    Megatron-LM's counting (as ``_common.flops_per_sequence`` for dense models), per token and layer, forward:
+    QKV ``2 h (q + 2 kv)``, attention output ``2 q h``, router ``2 h E``, the top-k experts' SwiGLU
+    ``k * 6 h f``, attention scores and values ``2 * 2 s q`` (full s); plus the LM head ``2 h V``; training = 3x.
+    """
+    h, dim = hf["hidden_size"], hf["head_dim"]
+    q, kv = hf["num_attention_heads"] * dim, hf["num_key_value_heads"] * dim
+    experts, k, f = hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * experts + k * 6 * h * f + 4 * length * q
+    return 3.0 * length * (hf["num_hidden_layers"] * per_layer + 2 * h * hf["vocab_size"])
 
 
 def lengths_for_steps(
@@ -109,11 +136,15 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             "optim.lr=1e-4",
             "optim.lr_warmup_steps=0",
             f"megatron.packed_attention_backend={name.partition('+')[2] or 'auto'}",
+            f"megatron.expert_model_parallel_size={args.ep}",
             *layout_overrides(name, args),
         ],
     )
     layers = {"num_hidden_layers": args.layers} if args.layers else {}
-    hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768, **layers)
+    if args.model == "qwen3-30b-a3b":
+        hf = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers or 48}
+    else:
+        hf = qwen2_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=32768, **layers)
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     gc.collect()
@@ -132,6 +163,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     step_times, losses, plans = [], [], []
     profile = StepProfile()
     real_tokens = []
+    timed_flops = 0.0
     for step, lens in enumerate(steps_lens):
         batch = step_data(lens, vocab=args.vocab, seed=1000 + step)
         if step == 0:
@@ -149,6 +181,8 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         if step >= args.warmup:
             step_times.append(elapsed)
             real_tokens.append(sum(lens))
+            if args.model == "qwen3-30b-a3b":
+                timed_flops += sum(moe_flops_per_sequence(hf, n) for n in lens)
     if profile.folder:  # the last batch once more, profiled, outside the timed steps
         with engine.train_mode(), profile(f"{Path(args.out).stem}_{name}"):
             engine.train_batch(batch, sft_loss)
@@ -157,6 +191,11 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
     slowest = slowest_rank_seconds(seconds=sum(step_times), device=device)
     result = {
         "layout": engine.cp_layout.describe(),
+        **(
+            {"mfu_active_params": timed_flops / slowest / dist.get_world_size() / 1e12 / PEAK_BF16_TFLOPS}
+            if args.model == "qwen3-30b-a3b"
+            else {}
+        ),
         "attention": cfg.megatron.packed_attention_backend,
         "tokens_per_s": sum(real_tokens) / slowest,
         "step_time_s_mean": slowest / len(step_times),
@@ -274,6 +313,13 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--preset", default="base")
+    parser.add_argument(
+        "--model",
+        default="preset",
+        choices=("preset", "qwen3-30b-a3b"),
+        help="preset: the Qwen2 preset (--preset); qwen3-30b-a3b: Qwen3-30B-A3B's MoE shape (--layers of it)",
+    )
+    parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE models)")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -312,7 +358,7 @@ def main() -> None:
 
     from verl_mcore_utils.parallel import destroy_parallel, init_parallel
 
-    dims = init_parallel(device=args.device)
+    dims = init_parallel(device=args.device, expert_model_parallel_size=args.ep)
     steps_lens = lengths_for_steps(
         steps=args.steps,
         tokens_per_step=args.tokens_per_step,

@@ -75,6 +75,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-mcore-utils", "mixture-of-experts models (Qwen3-MoE): HF parity, weights", ("test_moe",)),
     (
         "verl-mcore-utils",
+        "mixture-of-experts models (GLM-4.5: DeepSeek-V3 router, shared experts): HF parity, weights",
+        ("test_moe_glm",),
+    ),
+    (
+        "verl-mcore-utils",
         "grouped experts without Transformer Engine (torch._grouped_mm)",
         ("test_grouped_experts", "test_gpu_grouped_experts"),
     ),
@@ -141,6 +146,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verl-engine", "packed batches, static / dynamic CP", ("test_engine_packed_cpu",)),
     ("verl-engine", "PP, PP x VPP, PP x TP / CP", ("test_rl_engine_pipeline*", "test_gpu_pipeline")),
     ("verl-engine", "MTP", ("test_rl_engine_mtp*",)),
+    (
+        "verl-engine",
+        "GLM-4.5 MoE (DeepSeek-V3 router): expert-bias update at DP / CP / dynamic CP",
+        ("test_rl_engine_moe_glm*", "test_gpu_moe_glm"),
+    ),
     (
         "verl-engine",
         "mixture of experts: aux loss at DP / CP / dynamic CP, expert parallelism",

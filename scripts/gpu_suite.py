@@ -106,7 +106,12 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         200,
     ),
-    Chunk("moe2", 2, ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py"), 150),
+    Chunk(
+        "moe2",
+        2,
+        ("tests/test_gpu_moe.py", "tests/test_gpu_router_replay.py", "tests/test_gpu_moe_glm.py"),
+        150,
+    ),
     Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 120),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(

@@ -830,3 +830,56 @@ def build_error(rank: int, world_size: int, model_dir: str, overrides: list[str]
     except (NotImplementedError, ValueError) as error:
         return str(error)
     raise AssertionError(f"the actor was built with {overrides}")
+
+
+def moe_graph_references(rank: int, world_size: int, model_dir: str, batch: dict[str, Any]) -> dict[str, Any]:
+    """A MoE actor after one forward/backward: how many graph-attached tensors its modules' helper objects
+    keep, what ``drop_autograd_graphs`` drops, and whether megatron-core's MoE metrics tracker survives close."""
+    from functools import partial
+
+    from verl_engine.lifetime import drop_autograd_graphs
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+
+    def kept(model: Any) -> list[str]:
+        found = []
+        for name, module in unwrap_model(model).named_modules():
+            owners = [(name, module)] + [
+                (f"{name}.{k}", v)
+                for k, v in vars(module).items()
+                if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))
+            ]
+            for owner_name, owner in owners:
+                for key, value in vars(owner).items():
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        found.append(f"{owner_name}.{key}")
+        return found
+
+    overrides = [
+        f"trainer.n_gpus_per_node={world_size}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+    with engine.train_mode():
+        engine.forward_backward_batch({**batch}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor))
+    before = kept(engine.model)
+    params = {n: p.detach().clone() for n, p in unwrap_model(engine.model).named_parameters()}
+    dropped = drop_autograd_graphs(engine.model)
+    after = kept(engine.model)
+    same = all(torch.equal(p, params[n]) for n, p in unwrap_model(engine.model).named_parameters())
+    engine.close()
+    try:
+        from megatron.core.transformer.moe import moe_logging
+
+        tracker_left = moe_logging._MOE_METRICS_TRACKER is not None
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker_left = bool(moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER)
+    return {
+        "before": before,
+        "dropped": dropped,
+        "after": after,
+        "params_kept": same,
+        "tracker_left": tracker_left,
+    }

@@ -33,3 +33,19 @@ def test_close_frees_the_engine_and_a_new_one_works(model_dir: str, world: int) 
             )
         assert out["cp_groups_error"] is not None and "destroyed" in out["cp_groups_error"]
         assert out["same_output"]
+
+
+def test_close_drops_what_moe_dispatchers_keep_of_the_last_step(tmp_path) -> None:
+    """megatron-core's token dispatchers keep the last routing probabilities (graph-attached); on GPUs that
+    graph reached DDP's hooks and kept a closed MoE engine whole (tests/test_gpu_engine_lifetime.py[moe])."""
+    from rl_engine_workers import moe_graph_references
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    model_dir = str(save_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=3, router_aux_loss_coef=0.1))
+    batch = verl_batch(seed=6, prompt_lens=[3, 6, 1, 5], response_lens=[7, 2, 5, 4])
+    (out,) = run_distributed(moe_graph_references, world_size=1, args=(model_dir, batch))
+    assert out["before"] and all("token_dispatcher" in name for name in out["before"]), out
+    assert out["dropped"] == len(out["before"]) and out["after"] == [], out
+    assert out["params_kept"]
+    assert not out["tracker_left"]

@@ -22,14 +22,28 @@ HF = {
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }  # fmt: skip
+# Qwen3-MoE of about the same size (16 experts, top 4, grouped experts): megatron-core's token dispatchers
+# keep the last routing probabilities, whose autograd graph reached DDP's hooks and kept every closed MoE
+# engine alive (verl_engine.lifetime.drop_autograd_graphs).
+MOE = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 1024,
+    "intermediate_size": 4096, "moe_intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 4,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+    "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
 MIB = 2**20
 
 
 @pytest.mark.gpu
-def test_engines_built_and_closed_in_turn_return_their_memory() -> None:
+@pytest.mark.parametrize("hf_config", [HF, MOE], ids=["dense", "moe"])
+def test_engines_built_and_closed_in_turn_return_their_memory(hf_config: dict) -> None:
     from rl_engine_workers import gpu_engines_in_turn
 
-    (out,) = run_distributed(gpu_engines_in_turn, world_size=1, args=(HF, 3), backend="nccl", timeout_s=600)
+    (out,) = run_distributed(
+        gpu_engines_in_turn, world_size=1, args=(hf_config, 3), backend="nccl", timeout_s=600
+    )
     engine_bytes = out["with"][0] - out["start"]
     assert engine_bytes > 4 * 2**30, out  # the engine really held its state on the device
     print("\nlive CUDA tensors after the last close:", out["live_cuda_tensors"])

@@ -22,8 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from verl_dyncp.attention import dyncp_core_attention
-from verl_mcore_utils.model import build_gpt_model, local_layer_spec, rope_theta
-from verl_mcore_utils.transformer_config import hf_get
+from verl_mcore_utils.model import build_gpt_model, local_layer_spec, rope_theta, rotary_percent
 
 __all__ = ["THDGPTModelProvider", "build_thd_gpt_model", "thd_layer_spec"]
 
@@ -73,7 +72,7 @@ def build_thd_gpt_model(
     chunk that has the output layer, and on a last stage without the word embedding a copy of it as
     ``model.mtp_embedding``; the model's own forward runs neither (see verl_mcore_utils.mtp).
     """
-    partial = float(hf_get(hf_config, "partial_rotary_factor", 1.0) or 1.0)
+    partial = rotary_percent(hf_config)  # transformers 5 keeps it in rope_parameters
     spec = thd_layer_spec(tf_config, rotary_base=rope_theta(hf_config), rotary_percent=partial, kernel=kernel)
     model = build_gpt_model(
         hf_config=hf_config,

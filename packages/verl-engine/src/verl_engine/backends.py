@@ -62,9 +62,8 @@ class DebugBackend:
         if not forward_only:
             from verl_engine.tp_grads import sum_tp_shared_grads
 
-            sum_tp_shared_grads(
-                engine.chunks
-            )  # norms under SP, routers, q / k norms (finalize_model_grads' rule)
+            # norms under SP, routers, q / k norms: finalize_model_grads' TP rule
+            sum_tp_shared_grads(engine.chunks)
             self._average_gradients(engine.model)
             if engine.mtp_embedding_copy:
                 from verl_mcore_utils.mtp import sync_mtp_embedding
@@ -108,6 +107,9 @@ class DebugBackend:
                 for p in params:
                     p.grad.mul_(coef)
         engine.optimizer.step()
+        from verl_engine.expert_bias import update_expert_bias
+
+        update_expert_bias(engine.chunks)  # megatron-core does it in finalize_model_grads (megatron backend)
         return norm
 
 

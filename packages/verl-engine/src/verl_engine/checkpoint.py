@@ -51,11 +51,13 @@ __all__ = ["LATEST_FILE", "CheckpointError", "latest_step", "load_checkpoint", "
 
 def _params(engine: Any) -> dict[str, torch.nn.Parameter]:
     """What a rank file stores: every parameter, or with LoRA the trainable ones (the base is frozen)."""
+    from verl_mcore_utils.weights.chunks import expert_bias_buffers
+
     lora = getattr(engine, "lora", None) is not None
     return {
         f"{i}.{n}": p
         for i, chunk in enumerate(engine.chunks)
-        for n, p in chunk.named_parameters()
+        for n, p in [*chunk.named_parameters(), *expert_bias_buffers(chunk)]  # routers' expert bias: a buffer
         if not lora or p.requires_grad
     }
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Closeable"]
+__all__ = ["Closeable", "drop_autograd_graphs"]
 
 # what a closed engine keeps (to say which device it was on, and that it is closed)
 _KEEP = ("device", "_closed")
@@ -41,6 +41,7 @@ class Closeable:
         if self.__dict__.get("_closed"):
             return
         cp_groups = self.__dict__.get("cp_groups")
+        drop_autograd_graphs(self.__dict__.get("model"))
         for name in [n for n in vars(self) if n not in _KEEP]:
             delattr(self, name)
         self._closed = True
@@ -48,6 +49,7 @@ class Closeable:
             cp_groups.destroy()
         del cp_groups
         _empty_megatron_memory_buffer()
+        _drop_moe_metrics_tracker()
         gc.collect()
         device = self.__dict__.get("device")
         if isinstance(device, torch.device) and device.type == "cuda":
@@ -76,6 +78,67 @@ class Closeable:
                 f"this {type(self).__name__} was closed (close() released its {name!r}); build a new engine"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def drop_autograd_graphs(model: Any) -> int:
+    """Drop the graph-attached tensors that modules (and their helper objects) keep after a step.
+
+    Why: megatron-core's MoE token dispatchers keep the last micro-batch's routing probabilities as
+    attributes (``self.probs``, ``self.local_probs``...), tensors whose ``grad_fn`` chain reaches the
+    router weights' gradient accumulators, where DDP's backward hooks hold the DDP wrapper and so the
+    whole model. That cycle runs through autograd's C++ graph, which Python's garbage collector cannot
+    follow: a closed MoE engine on a GPU kept all of its weights, gradient buffers and optimizer state
+    (``tests/test_gpu_engine_lifetime.py``; dense models and the CPU backend keep no such tensor).
+    Parameters and registered buffers are left alone. Returns how many references were dropped.
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    dropped = 0
+    for chunk in chunks:
+        if not isinstance(chunk, torch.nn.Module):
+            continue
+        for module in chunk.modules():
+            helpers = [v for v in vars(module).values() if _is_helper_object(v)]
+            for owner in (module, *helpers):
+                for name, value in list(vars(owner).items()):
+                    if _holds_graph(value):
+                        setattr(owner, name, None)
+                        dropped += 1
+    return dropped
+
+
+def _is_helper_object(value: Any) -> bool:
+    """A plain object hanging off a module (a token dispatcher, a router's helper), not a module or tensor."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+        and not callable(value)
+    )
+
+
+def _holds_graph(value: Any) -> bool:
+    if isinstance(value, torch.nn.Parameter) or not isinstance(value, torch.Tensor):
+        return False
+    return value.grad_fn is not None
+
+
+def _drop_moe_metrics_tracker() -> None:
+    """megatron-core's process-wide MoE metrics tracker keeps a per-layer tensor on the engine's device.
+
+    It only feeds megatron-core's own logging, which the engines do not use; a later MoE engine creates
+    it again (megatron-core >= 0.16 lazily; older releases add the entry on first use).
+    """
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # megatron-core < 0.16: a module-level dict in moe_utils
+        try:
+            from megatron.core.transformer.moe import moe_utils
+        except ImportError:  # pragma: no cover - megatron-core always has moe_utils
+            return
+        tracker = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
+        if isinstance(tracker, dict):
+            tracker.clear()
+        return
+    moe_logging.destroy_moe_metrics_tracker()
 
 
 def _empty_megatron_memory_buffer() -> None:

@@ -98,6 +98,18 @@ def moe_refusals(tf_config: Any, *, pool_size: int, trains: bool, padded_rows: b
             f" padding_mask) so that padding is not counted as routed tokens; this is {__version__}: upgrade"
             " megatron-core or set model.override_config.model_config.router_aux_loss_coef=0"
         )
+    if (
+        getattr(tf_config, "moe_router_enable_expert_bias", False)
+        and padding
+        and not padding_mask_supported()
+    ):
+        from megatron.core import __version__
+
+        problems.append(
+            "the routers' expert bias (moe_router_enable_expert_bias, DeepSeek-V3 / GLM-4.5) needs megatron-core"
+            f" >= 0.16 (GPTModel's padding_mask) so that padding is not counted as routed tokens; this is"
+            f" {__version__}: upgrade megatron-core or train on one rank with packed sequences"
+        )
     z = getattr(tf_config, "moe_z_loss_coeff", None)
     if z and pool_size > 1:
         problems.append(

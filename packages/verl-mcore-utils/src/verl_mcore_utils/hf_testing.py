@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["TINY_ARCHS", "save_tiny_hf_model", "tiny_hf_config"]
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe")
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "glm4_moe")
 
 
 def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **overrides: Any) -> Any:
@@ -45,6 +45,23 @@ def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **over
     elif model_type == "qwen3_moe":  # 4 experts of width 48, top 2, QK layernorm like Qwen3
         cls = transformers.Qwen3MoeConfig
         common.update(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    elif model_type == "glm4_moe":  # DeepSeek-V3 router: 8 experts in 2 groups, 1 group chosen, top 2
+        cls = transformers.Glm4MoeConfig
+        common.update(
+            num_hidden_layers=3,
+            head_dim=24,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0,  # transformers' model has no MTP layers
+        )
     else:
         raise ValueError(
             f"model_type {model_type!r} has no tiny config; choose one of {', '.join(TINY_ARCHS)}"
@@ -76,6 +93,11 @@ def save_tiny_hf_model(
                 param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith(
+                "e_score_correction_bias"
+            ):  # DeepSeek-V3 / GLM expert bias: non-zero, so it matters
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -16,13 +16,14 @@ from verl_mcore_utils.attention import SDPACoreAttention
 from verl_mcore_utils.compat import hf_rope_parameters, with_mlp_class
 from verl_mcore_utils.grouped_experts import use_grouped_experts
 from verl_mcore_utils.moe import make_moe_portable
+from verl_mcore_utils.moe_layers import add_expert_bias, cpu_expert_bias, mixed_block_spec, mixed_layers
 from verl_mcore_utils.rope import make_rope_portable
 from verl_mcore_utils.sp_norm import block_spec_with_final_norm, with_sequence_parallel_norms
 from verl_mcore_utils.sp_portable import install_portable_sequence_parallel
 from verl_mcore_utils.swiglu import FusedSwiGLUMLP
 from verl_mcore_utils.transformer_config import hf_get
 
-__all__ = ["build_gpt_model", "local_layer_spec", "rope_theta"]
+__all__ = ["build_gpt_model", "local_layer_spec", "rope_theta", "rotary_percent"]
 
 
 def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDPACoreAttention) -> ModuleSpec:
@@ -62,6 +63,15 @@ def rope_theta(hf_config: Mapping[str, Any] | Any) -> float:
     return float(rope["rope_theta"])
 
 
+def rotary_percent(hf_config: Mapping[str, Any] | Any) -> float:
+    """The rotated fraction of each head (``partial_rotary_factor``: inside ``rope_parameters`` in transformers 5,
+    top level in older configs; 1.0 when absent)."""
+    value = hf_rope_parameters(hf_config).get(
+        "partial_rotary_factor", hf_get(hf_config, "partial_rotary_factor")
+    )
+    return float(value or 1.0)
+
+
 def build_gpt_model(
     *,
     hf_config: Mapping[str, Any] | Any,
@@ -81,15 +91,47 @@ def build_gpt_model(
     ``position_embedding_type="none"`` is for layer specs whose core attention applies RoPE itself
     (verl-dyncp); the RoPE settings of ``hf_config`` are checked either way.
     """
-    theta = rope_theta(hf_config)
-    if tf_config.sequence_parallel and torch.device(device).type == "cpu":
-        install_portable_sequence_parallel()  # megatron-core's SP collectives allocate on CUDA
+    rope_theta(hf_config)  # scaled RoPE is refused before anything is built
     spec = layer_spec if layer_spec is not None else local_layer_spec(tf_config)
-    if (
-        tf_config.sequence_parallel
-    ):  # the block's final norm: megatron-core's module-level (torch) norm otherwise
-        spec = block_spec_with_final_norm(tf_config, spec, vp_stage=vp_stage)
-    model = GPTModel(
+    if isinstance(spec, ModuleSpec) and mixed_layers(tf_config) is not None:  # dense first layers (GLM-4.5)
+        spec = mixed_block_spec(tf_config, spec, vp_stage=vp_stage)
+    if tf_config.sequence_parallel:
+        if torch.device(device).type == "cpu":
+            install_portable_sequence_parallel()  # megatron-core's SP collectives allocate on CUDA
+        if isinstance(
+            spec, ModuleSpec
+        ):  # the block's final norm: megatron-core's module-level torch norm otherwise
+            spec = block_spec_with_final_norm(tf_config, spec, vp_stage=vp_stage)
+    with cpu_expert_bias(tf_config, device):
+        model = _gpt_model(
+            hf_config=hf_config,
+            tf_config=tf_config,
+            spec=spec,
+            vocab_size=vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            position_embedding_type=position_embedding_type,
+        )
+    add_expert_bias(model, tf_config)
+    make_rope_portable(model, device)
+    make_moe_portable(model, device)
+    return model.to(device)
+
+
+def _gpt_model(
+    *,
+    hf_config: Mapping[str, Any] | Any,
+    tf_config: TransformerConfig,
+    spec: Any,
+    vocab_size: int | None,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None,
+    position_embedding_type: str,
+) -> GPTModel:
+    theta = rope_theta(hf_config)
+    return GPTModel(
         config=tf_config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size if vocab_size is not None else hf_get(hf_config, "vocab_size"),
@@ -99,8 +141,6 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
         position_embedding_type=position_embedding_type,
         rotary_base=theta,
+        rotary_percent=rotary_percent(hf_config),
         vp_stage=vp_stage,
     )
-    make_rope_portable(model, device)
-    make_moe_portable(model, device)
-    return model.to(device)

@@ -1,4 +1,4 @@
-"""Hugging Face config -> megatron-core TransformerConfig: dense Qwen2 / Qwen3 / Llama and Qwen3-MoE models."""
+"""Hugging Face config -> megatron-core TransformerConfig: dense Qwen2 / Qwen3 / Llama, Qwen3-MoE and GLM-4.5 (MoE)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 #: Mixture-of-experts architectures: megatron-core MoE layers (router + sequential experts) on the local spec.
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,9 +35,12 @@ def hf_num_experts(hf_config: Mapping[str, Any] | Any) -> int:
     """Routed experts per MoE layer (0 for a dense model).
 
     Qwen3-MoE checkpoints name it ``num_experts``; transformers 5 writes ``num_local_experts`` (its attribute
-    map's name) when it saves one.
+    map's name) when it saves one; DeepSeek-V3 / GLM-4.5 name it ``n_routed_experts``.
     """
-    return int(hf_get(hf_config, "num_experts", None) or hf_get(hf_config, "num_local_experts", None) or 0)
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf_get(hf_config, key, None):
+            return int(hf_get(hf_config, key))
+    return 0
 
 
 def hf_mtp_num_layers(hf_config: Mapping[str, Any] | Any) -> int:
@@ -84,9 +87,17 @@ def hf_to_transformer_config(
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     moe = (
         _moe_fields(hf_config, tensor_model_parallel_size, sequence_parallel=sequence_parallel)
-        if model_type in MOE_MODEL_TYPES
+        if model_type == "qwen3_moe"
         else {}
     )
+    if model_type == "glm4_moe":  # DeepSeek-V3's router and shared experts
+        from verl_mcore_utils.moe_glm import glm4_moe_fields
+
+        moe = glm4_moe_fields(
+            hf_config,
+            experts=hf_num_experts(hf_config),
+            tensor_model_parallel_size=tensor_model_parallel_size,
+        )
     kwargs: dict[str, Any] = {
         **_model_fields(hf_config, model_type),
         **moe,
@@ -140,7 +151,7 @@ def _model_fields(hf_config: Mapping[str, Any] | Any, model_type: str) -> dict[s
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": model_type == "qwen2" or attention_bias,
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe") or bool(hf_get(hf_config, "use_qk_norm", False)),
         "attention_dropout": float(hf_get(hf_config, "attention_dropout", 0.0) or 0.0),
         "hidden_dropout": 0.0,
         "init_method_std": hf_get(hf_config, "initializer_range", 0.02),

@@ -91,7 +91,7 @@ def local_megatron_params(
         table[TIED_OUTPUT.megatron_name] = TIED_OUTPUT
     out: dict[str, tuple[ParamMapping, torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
-        for name, param in chunk.named_parameters():
+        for name, param in [*chunk.named_parameters(), *expert_bias_buffers(chunk)]:
             if name.startswith(MTP_PREFIXES):
                 continue
             global_name = name
@@ -108,6 +108,12 @@ def local_megatron_params(
             global_name = experts.global_name(global_name, num_experts=dims.num_experts)
             _add(out, table, global_name, param, index, name, dims)
     return out
+
+
+def expert_bias_buffers(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The routers' expert biases (DeepSeek-V3 / GLM-4.5 ``e_score_correction_bias``): buffers, not parameters
+    (no gradient; megatron-core moves them after each step), but weights of the checkpoint all the same."""
+    return [(n, b) for n, b in chunk.named_buffers() if n.endswith(".router.expert_bias") and b is not None]
 
 
 def _add(

@@ -66,6 +66,18 @@ _MOE_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None], ...] = (
     ),
     ("mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), "none", 1),
 )
+# DeepSeek-V3-style MoE layers (GLM-4.5) add the router's expert bias (a float32 buffer on both sides) and the
+# shared experts (one MLP, no gate); see verl_mcore_utils.moe_glm.
+_SHARED_TABLE: tuple[tuple[str, tuple[str, ...], Fusion, int | None], ...] = (
+    ("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), "none", None),
+    (
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        "gate_up",
+        0,
+    ),
+    ("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), "none", 1),
+)
 
 #: megatron linear module inside a TransformerLayer -> the Hugging Face linear modules it fuses, in the
 #: order of the fused rows. This is what a LoRA adapter exporter renames (``lora_A`` / ``lora_B`` of the
@@ -101,10 +113,17 @@ class HFDims:
     tie_word_embeddings: bool
     num_experts: int = 0
     moe_intermediate_size: int = 0
+    first_dense_layers: int = 0  # GLM-4.5 / DeepSeek-V3 ``first_k_dense_replace``
+    expert_bias: bool = False  # the router's ``e_score_correction_bias``
+    shared_intermediate_size: int = 0  # all shared experts together, 0: none
 
     @property
     def dense(self) -> bool:
         return self.num_experts == 0
+
+    def dense_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a dense MLP (every layer of a dense model)."""
+        return self.num_experts == 0 or layer < self.first_dense_layers
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> HFDims:
@@ -115,7 +134,7 @@ class HFDims:
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         attention_bias = bool(hf_get(hf_config, "attention_bias", False))
-        if attention_bias and model_type != "qwen2":
+        if attention_bias and model_type not in ("qwen2", "glm4_moe"):
             # Llama / Qwen3 put this bias on o_proj too, which the megatron model (add_bias_linear=False) lacks.
             raise ValueError(f"{model_type} with attention_bias=True (o_proj bias) is not supported")
         if bool(hf_get(hf_config, "mlp_bias", False)):
@@ -123,6 +142,8 @@ class HFDims:
         hidden = int(hf_get(hf_config, "hidden_size"))
         heads = int(hf_get(hf_config, "num_attention_heads"))
         moe = model_type in MOE_MODEL_TYPES
+        glm = model_type == "glm4_moe"
+        shared = int(hf_get(hf_config, "n_shared_experts", 0) or 0) if glm else 0
         return cls(
             model_type=model_type,
             vocab_size=int(hf_get(hf_config, "vocab_size")),
@@ -133,10 +154,13 @@ class HFDims:
             num_query_groups=int(hf_get(hf_config, "num_key_value_heads", None) or heads),
             head_dim=int(hf_get(hf_config, "head_dim", None) or hidden // heads),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(hf_get(hf_config, "use_qk_norm", False)),
             tie_word_embeddings=bool(hf_get(hf_config, "tie_word_embeddings", False)),
             num_experts=hf_num_experts(hf_config) if moe else 0,
             moe_intermediate_size=int(hf_get(hf_config, "moe_intermediate_size")) if moe else 0,
+            first_dense_layers=int(hf_get(hf_config, "first_k_dense_replace", 0) or 0) if glm else 0,
+            expert_bias=glm,
+            shared_intermediate_size=shared * int(hf_get(hf_config, "moe_intermediate_size")) if glm else 0,
         )
 
 
@@ -159,16 +183,21 @@ def _layer_mapping(
 def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
     """The mappings of decoder layer ``layer`` (global 0-based index), in a fixed order."""
     dims = as_dims(hf_config)
+    dense = dims.dense_layer(layer)
     out = [
         _layer_mapping(layer, meg, hf, fusion, tp_dim)
         for meg, hf, fusion, tp_dim, needs in _LAYER_TABLE
-        if needs is None or getattr(dims, needs)
+        if needs is None or (dense if needs == "dense" else getattr(dims, needs))
     ]
-    if not dims.num_experts:
+    if dense:
         return out
     router = [row for row in _MOE_TABLE if "{e}" not in row[0]]  # once per layer
     per_expert = [row for row in _MOE_TABLE if "{e}" in row[0]]
     out.extend(_layer_mapping(layer, *row) for row in router)
+    if dims.expert_bias:
+        out.append(_layer_mapping(layer, *_SHARED_TABLE[0]))
+    if dims.shared_intermediate_size:
+        out.extend(_layer_mapping(layer, *row) for row in _SHARED_TABLE[1:])
     for expert in range(dims.num_experts):
         out.extend(_layer_mapping(layer, *row, e=expert) for row in per_expert)
     return out
@@ -212,6 +241,10 @@ def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[i
         "expert.gate_proj.weight": (d.moe_intermediate_size, d.hidden_size),
         "expert.up_proj.weight": (d.moe_intermediate_size, d.hidden_size),
         "expert.down_proj.weight": (d.hidden_size, d.moe_intermediate_size),
+        "mlp.gate.e_score_correction_bias": (d.num_experts,),
+        "mlp.shared_experts.gate_proj.weight": (d.shared_intermediate_size, d.hidden_size),
+        "mlp.shared_experts.up_proj.weight": (d.shared_intermediate_size, d.hidden_size),
+        "mlp.shared_experts.down_proj.weight": (d.hidden_size, d.shared_intermediate_size),
     }
     top = {
         "model.embed_tokens.weight": (d.vocab_size, d.hidden_size),

@@ -1,0 +1,191 @@
+"""GLM-4.5 (DeepSeek-V3's sigmoid, group-limited router with expert bias; shared experts; a dense first layer)
+through the RL engine on CPU, fp32, gloo.
+
+One PPO step (PPO + entropy + KL, aux loss on) of a tiny random ``Glm4MoeForCausalLM`` at DP 2, static CP 2 and
+dynamic CP on 2 ranks gives the gradients, the updated weights and the updated expert biases of the same step
+on one rank (1e-5 relative; the biases bit for bit). The expert bias is not trained by gradients: after the
+step it moves by ``moe_router_bias_update_rate`` x sign(mean load - load), the loads summed over the whole DP x CP
+pool (:mod:`verl_engine.expert_bias`, megatron-core's ``finalize_model_grads`` rule); the test checks that it
+moved, by exactly the rate, and that the token counts were zeroed after the update. Expert parallelism: EP 2
+(4 experts per rank, grouped experts) at DP 2, static CP 2 and dynamic CP equals the same one-rank step, and the
+weight export at EP 2 is the checkpoint, bitwise (expert bias and shared experts included). megatron-core < 0.16
+refuses two ranks by name (no padding mask for the expert-bias counts). The engine checkpoint stores the expert
+bias (a buffer) and restores it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rl_engine_workers import verl_batch
+
+from verl_mcore_utils.testing import run_distributed
+
+A = "actor_rollout_ref.actor"
+AM = f"{A}.megatron"
+STEP = [
+    "+actor_rollout_ref.actor.optim.override_optimizer_config.adam_eps=1e-3",
+    f"{A}.use_kl_loss=true",
+    f"{A}.kl_loss_type=low_var_kl",
+    f"{A}.entropy_coeff=0.01",
+]
+PROMPTS, RESPONSES = [3, 6, 1, 5], [7, 2, 5, 4]
+TWO_RANK_LAYOUTS = {
+    "dp2": [],
+    "cp2": [f"{AM}.context_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"],
+    "dynamic_cp": [f"{AM}.dynamic_context_parallel=true", f"{AM}.max_seqlen_per_dp_cp_rank=8"],
+}
+RATE = 1e-3  # megatron-core's default moe_router_bias_update_rate, verl's DeepSeek-V3 choice
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> str:
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("glm4_moe") / "model"
+    return str(save_tiny_hf_model("glm4_moe", path, seed=3, router_aux_loss_coef=0.1))
+
+
+def _steps(world: int, model_dir: str, layouts: dict[str, list[str]]) -> list[dict[str, dict]]:
+    from moe_glm_workers import ppo_step_with_expert_bias
+
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    micro = f"{A}.ppo_micro_batch_size_per_gpu={4 // world}"
+    args = [[f"trainer.n_gpus_per_node={world}", micro, *STEP, *v] for v in layouts.values()]
+    per_rank = run_distributed(ppo_step_with_expert_bias, world_size=world, args=(model_dir, args, batch))
+    return [dict(zip(layouts, results, strict=True)) for results in per_rank]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(_rel(a[n], b[n]) for n in b)
+
+
+def _padding_mask_supported() -> bool:
+    from verl_engine.moe import padding_mask_supported
+
+    return padding_mask_supported()
+
+
+def test_one_rank_step_moves_the_expert_bias_by_the_rate(glm_dir: str) -> None:
+    """After the step each bias moved by rate x sign(mean load - load) of the step's routed tokens, and the
+    counts were zeroed; the shared experts train."""
+    one = _steps(1, glm_dir, {"one": []})[0]["one"]
+    assert one["grads"] and one["metrics"]["grad_norm"] > 0
+    assert sorted(one["counts"]) == [
+        "decoder.layers.1.mlp.router",
+        "decoder.layers.2.mlp.router",
+    ]  # layer 0: dense
+    tokens = sum(PROMPTS) + sum(RESPONSES)
+    for router, counts in one["counts"].items():
+        assert float(counts.sum()) == tokens * 2, (router, counts)  # top-2, padding not counted
+        name = f"{router}.expert_bias"
+        expected = one["bias_before"][name] + torch.sign(counts.mean() - counts) * RATE
+        assert torch.equal(one["bias"][name], expected), (name, one["bias"][name] - one["bias_before"][name])
+        assert not torch.equal(one["bias"][name], one["bias_before"][name]), name
+        assert float(one["counts_after"][router].abs().sum()) == 0, router
+    shared = [n for n in one["grads"] if ".mlp.shared_experts." in n]
+    assert shared and all(float(one["grads"][n].abs().max()) > 0 for n in shared)
+
+
+def test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank(glm_dir: str) -> None:
+    if not _supports_two_ranks():
+        from rl_engine_workers import build_error
+
+        overrides = ["trainer.n_gpus_per_node=2", *TWO_RANK_LAYOUTS["cp2"]]
+        for message in run_distributed(build_error, world_size=2, args=(glm_dir, overrides)):
+            assert "megatron-core >= 0.16" in message and "expert bias" in message, message
+        return
+    one = _steps(1, glm_dir, {"one": []})[0]["one"]
+    for rank, got in enumerate(_steps(2, glm_dir, TWO_RANK_LAYOUTS)):
+        for name, result in got.items():
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, (name, rank)
+            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
+                name
+            )
+            for key in ("grads", "params"):
+                worst = _worst(result[key], one[key])
+                print(f"\n{name} rank {rank} {key}: worst rel. error {worst:.2e}")
+                assert worst < 1e-5, (name, rank, key, worst)
+            for bias_name, bias in result["bias"].items():
+                assert torch.equal(bias, one["bias"][bias_name]), (name, rank, bias_name)
+
+
+def _supports_two_ranks() -> bool:
+    return _padding_mask_supported()
+
+
+EP2 = f"{AM}.expert_model_parallel_size=2"
+
+
+def _gathered_ep2(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Both EP ranks' ``key`` tensors by global expert name (4 of the 8 experts each); the rest (router, expert
+    bias, shared experts, attention) is replicated and must agree bitwise."""
+    from test_rl_engine_moe_ep_cpu import _global
+
+    out: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(per_rank):
+        for name, value in _global(result[key], ep_rank=rank, local=4).items():
+            if name in out:
+                assert ".local_experts." not in name and torch.equal(out[name], value), (key, name, rank)
+            out.setdefault(name, value)
+    return out
+
+
+def test_expert_parallel_step_equals_one_rank(glm_dir: str) -> None:
+    """EP 2 (grouped experts, 4 per rank) at DP 2, static CP 2 and dynamic CP: the step of one rank at EP 1."""
+    if not _supports_two_ranks():
+        return  # refused as in test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank
+    from test_rl_engine_moe_ep_cpu import _per_expert
+
+    layouts = {name: [EP2, *overrides] for name, overrides in TWO_RANK_LAYOUTS.items()}
+    one = _steps(1, glm_dir, {"one": []})[0]["one"]
+    per_rank = _steps(2, glm_dir, layouts)
+    for name in layouts:
+        results = [ranks[name] for ranks in per_rank]
+        for result in results:
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
+            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
+                name
+            )
+            for bias_name, bias in result["bias"].items():
+                assert torch.equal(bias, one["bias"][bias_name]), (name, bias_name)
+        for key in ("grads", "params"):
+            worst = _worst(_gathered_ep2(results, key), _per_expert(one[key]))
+            print(f"\nEP 2 {name} {key}: worst rel. error {worst:.2e}")
+            assert worst < 1e-5, (name, key, worst)
+
+
+def test_export_at_ep2_is_the_checkpoint_bitwise(glm_dir: str) -> None:
+    """Experts broadcast from their EP rank, expert bias and shared experts included: the checkpoint, bitwise."""
+    if not _supports_two_ranks():
+        return  # the actor is refused on two ranks (test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank)
+    from pathlib import Path
+
+    from moe_ep_workers import export_state
+    from safetensors.torch import load_file
+
+    overrides = ["trainer.n_gpus_per_node=2", EP2]
+    exported = run_distributed(export_state, world_size=2, args=(glm_dir, overrides))[0]
+    checkpoint = load_file(str(Path(glm_dir) / "model.safetensors"))
+    assert sorted(exported) == sorted(checkpoint)
+    assert all(torch.equal(exported[n], checkpoint[n]) for n in checkpoint)
+
+
+def test_engine_checkpoint_keeps_the_expert_bias(glm_dir: str, tmp_path) -> None:
+    """The expert bias is a buffer, not a parameter: the engine's checkpoint stores and restores it all the same."""
+    from moe_glm_workers import checkpoint_keeps_expert_bias
+
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    overrides = ["trainer.n_gpus_per_node=1", f"{A}.ppo_micro_batch_size_per_gpu=4", *STEP]
+    (got,) = run_distributed(
+        checkpoint_keeps_expert_bias, world_size=1, args=(glm_dir, overrides, batch, str(tmp_path / "ckpt"))
+    )
+    assert got["saved"] and got["saved"].keys() == got["loaded"].keys()
+    for name, bias in got["saved"].items():
+        assert not torch.equal(got["initial"][name], bias), name  # the step moved it: the load is seen
+        assert torch.equal(got["loaded"][name], bias), name
