@@ -171,6 +171,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "mixture of experts: router replay (R2 / R3)",
         ("test_rl_engine_router_replay*", "test_gpu_router_replay"),
     ),
+    (
+        "verl-engine",
+        "TP + sequence parallelism without Transformer Engine: dense and MoE",
+        ("test_rl_engine_sequence_parallel*", "test_gpu_moe_tp"),
+    ),
     ("verl-engine", "LoRA", ("test_rl_engine_lora*",)),
     ("verl-engine", "offload / onload", ("test_rl_engine_offload*",)),
     ("verl-engine", "weights for rollout", ("test_rl_engine_export*",)),

@@ -117,6 +117,7 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         240,
     ),
+    Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 120),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",

@@ -159,11 +159,6 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
         ),
         ({}, {"model_type": "qwen3"}, ["expert_model_parallel_size=2", "dense model"]),
         (
-            {"tensor_model_parallel_size": 2},
-            {},
-            ["expert_model_parallel_size=2", "tensor_model_parallel_size=2"],
-        ),
-        (
             {"pipeline_model_parallel_size": 2},
             {},
             ["expert_model_parallel_size=2", "1 ranks of the DP x CP pool", "x PP"],
@@ -184,8 +179,9 @@ def test_expert_parallel_refusals_name_the_key(
     monkeypatch, sizes: dict, hf: dict, needles: list[str]
 ) -> None:
     """Checked by build_rl_engine before any process group or model: EP not dividing the experts, EP x ETP not
-    dividing the pool, ETP not dividing the experts' width, a dense model, MoE at TP 2, EP not dividing a pipeline stage's pool (EP with PP runs:
-    tests/test_rl_engine_moe_pp_cpu.py)."""
+    dividing the pool, ETP not dividing the experts' width, a dense model, EP not dividing a pipeline stage's
+    pool (EP with PP runs: tests/test_rl_engine_moe_pp_cpu.py; EP with TP + SP:
+    tests/test_rl_engine_sequence_parallel_moe_cpu.py)."""
     from verl_engine.expert_parallel import check_expert_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -9,7 +9,7 @@ renormalised; false: raw softmax weights):
   checkpoint loads in transformers with the same logits;
 * the router's load-balancing loss reaches the router's weight in backward (megatron-core adds it through
   its aux-loss scaler), and the model's routers run on the CPU (megatron-core's move them to CUDA);
-* what is not supported is refused by name: dense layers inside a Qwen3-MoE model, TP > 1.
+* what is not supported is refused by name: dense layers inside a Qwen3-MoE model, TP > 1 without sequence parallelism.
 
 The router weights of the tiny checkpoint are drawn wide (``save_tiny_hf_model``) so that no top-k choice
 is a near tie that fp32 rounding could flip between the two implementations.

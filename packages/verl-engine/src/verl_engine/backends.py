@@ -60,6 +60,10 @@ class DebugBackend:
                 if loss is not None:
                     loss.backward()
         if not forward_only:
+            from verl_engine.tp_grads import sum_tp_shared_grads
+
+            # norms under SP, routers, q / k norms: finalize_model_grads' TP rule
+            sum_tp_shared_grads(engine.chunks)
             self._average_gradients(engine.model)
             if engine.mtp_embedding_copy:
                 from verl_mcore_utils.mtp import sync_mtp_embedding
@@ -67,10 +71,12 @@ class DebugBackend:
                 sync_mtp_embedding(engine.chunks, grads=True)
 
     def _average_gradients(self, model: torch.nn.Module) -> None:
-        if self.pool_size == 1:
+        # the expert-DP group can be larger than the pool (ETP 1 at TP 2: TP ranks hold the same experts)
+        experts_only = self.pool_size == 1
+        if experts_only and (self.expert_group is None or dist.get_world_size(self.expert_group) == 1):
             return
         for p in model.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or (experts_only and getattr(p, "allreduce", True)):
                 continue
             if p.grad is None:  # every rank must join every all-reduce
                 p.grad = torch.zeros_like(p)

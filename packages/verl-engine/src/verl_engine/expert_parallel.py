@@ -12,7 +12,7 @@ its EP group dispatched to it, so it is summed over the expert-data-parallel gro
 pool, megatron-core's DDP rule (``allreduce=False`` parameters), which the CPU backend follows too.
 
 ETP splits every expert's fc1 / fc2 over an expert-TP group (megatron-core's layout; the name table splits them
-like TP). At TP 1 (MoE runs at TP 1 so far) the ETP ranks are ranks of the pool too: the dispatcher gathers
+like TP). At TP 1 the ETP ranks are ranks of the pool: the dispatcher gathers
 tokens over ETP x EP, each rank computes its slice of every local expert for all of them, and the reduce-scatter
 sums the slices' partial outputs.
 
@@ -102,11 +102,6 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
         problems.append(
             f"{_ETP}={etp} with megatron.pipeline_model_parallel_size={pp}: expert tensor parallelism with pipeline"
             f" stages is not tested yet (EP with PP is); set {_ETP}=null or pipeline_model_parallel_size=1"
-        )
-    if tp > 1:
-        problems.append(
-            f"{what} with megatron.tensor_model_parallel_size={tp}: mixture-of-experts models run at TP 1 so"
-            " far; set tensor_model_parallel_size=1"
         )
     if engine.use_megatron_fsdp:
         problems.append(

@@ -103,11 +103,6 @@ def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> Repl
     fusion, native = getattr(c, "moe_router_fusion", False), getattr(c, "moe_enable_routing_replay", False)
     balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
     checks = {
-        "megatron.sequence_parallel": (
-            c.sequence_parallel,
-            not c.sequence_parallel,
-            "the routers would see a TP slice of the tokens; not done yet",
-        ),
         "moe_router_fusion": (
             fusion,
             not fusion,
@@ -281,6 +276,7 @@ class RouterReplay:
             raise NotImplementedError(f"{_MODE}={settings.mode}: the model has no top-k routers to replay")
         _patch_router_module()
         self.settings, self.pipeline_group = settings, pipeline_group
+        self.sp = bool(getattr(routers[0][1].config, "sequence_parallel", False))  # routers see a TP shard
         self.states = [
             _RouterState(layer_number=n, chunk=c, column=col)
             for n, (c, _), col in zip(numbers, routers, columns, strict=True)
@@ -397,11 +393,13 @@ class RouterReplayMixin:
 
     def _keep_routes(self, states: list[_RouterState], routes: _CallRoutes, mb: Any) -> None:
         from verl_dyncp.planner import dynamic_cp_merge_output
+        from verl_engine.sp_routes import sp_gather_rows
 
         missing = [s.layer_number for s in states if len(s.recorded) != 1]
         if missing:
             raise RuntimeError(f"router replay (record): layers {missing} did not route exactly once")
         local = torch.stack([s.recorded[0] for s in states], dim=1)  # [local tokens, L of this chunk, k]
+        local = sp_gather_rows(local, on=self.router_replay.sp)  # SP: the TP shards back to the sequence
         merged = dynamic_cp_merge_output(local, micro_batch=mb.split, groups=self.cp_groups)  # type: ignore[attr-defined]
         assert routes.batch is not None
         offset = 0
@@ -418,6 +416,7 @@ def _set_targets(replay: RouterReplay, routes: _CallRoutes, mb: Any) -> None:
     (verl-dyncp's ``dynamic_cp_take``: the same rows the model's input and labels come from). An idle group's
     dummy sequence and THD padding keep their own routing (mask False): nothing of them is kept."""
     from verl_dyncp.planner import dynamic_cp_take
+    from verl_engine.sp_routes import sp_shard_rows
 
     assert routes.routes is not None and routes.mask is not None and routes.batch is not None
     cu = routes.batch.packed.cu_seqlens
@@ -426,7 +425,7 @@ def _set_targets(replay: RouterReplay, routes: _CallRoutes, mb: Any) -> None:
     local = dynamic_cp_take(routes.routes.index_select(0, index), micro_batch=split, pad_value=0)
     mask = dynamic_cp_take(routes.mask.index_select(0, index), micro_batch=split, pad_value=False)
     device = split.batch.input_ids.device
-    local, mask = local.to(device), mask.to(device)
+    local, mask = sp_shard_rows(local.to(device), on=replay.sp), sp_shard_rows(mask.to(device), on=replay.sp)
     for state, row in zip(replay.states, routes.rows, strict=True):
         state.targets, state.mask = local[:, row], mask
 

@@ -145,15 +145,20 @@ class GroupedExperts(MegatronModule):
     def _mark_parameters(self) -> None:
         """The attributes megatron-core's expert linears carry, which its DDP and gradient norm read.
 
-        ``allreduce=False`` under EP: the gradient is reduced over the expert-data-parallel group, not the
-        whole data-parallel group. Tensor-parallel attributes as megatron's column / row parallel linears
+        ``allreduce=False`` under EP or with ETP other than TP (megatron-core's ``use_expert_pgs``): the gradient
+        is reduced over the expert-data-parallel group, not the whole data-parallel group. Tensor-parallel attributes as megatron's column / row parallel linears
         (expert TP is 1, so every rank's copy counts once in the gradient norm).
         """
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        expert_parallel = (getattr(self.config, "expert_model_parallel_size", 1) or 1) > 1
+        config = self.config
+        etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+        # megatron-core's linears: expert process groups under EP or when ETP differs from TP (ETP 1 at TP 2)
+        expert_groups = (getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or (
+            etp != config.tensor_model_parallel_size
+        )
         for param, dim in ((self.linear_fc1_weight, 1), (self.linear_fc2_weight, 2)):
-            param.allreduce = not expert_parallel
+            param.allreduce = not expert_groups
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
     def _activation(self, fc1_out: torch.Tensor) -> torch.Tensor:

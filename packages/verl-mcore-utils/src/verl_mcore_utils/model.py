@@ -18,6 +18,8 @@ from verl_mcore_utils.grouped_experts import use_grouped_experts
 from verl_mcore_utils.moe import make_moe_portable
 from verl_mcore_utils.moe_layers import add_expert_bias, cpu_expert_bias, mixed_block_spec, mixed_layers
 from verl_mcore_utils.rope import make_rope_portable
+from verl_mcore_utils.sp_norm import block_spec_with_final_norm, with_sequence_parallel_norms
+from verl_mcore_utils.sp_portable import install_portable_sequence_parallel
 from verl_mcore_utils.swiglu import FusedSwiGLUMLP
 from verl_mcore_utils.transformer_config import hf_get
 
@@ -31,12 +33,9 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
     as one Triton kernel on CUDA (megatron-core's own forward everywhere else). A config with experts
     (``num_moe_experts``) gets megatron-core's MoE layer instead: router + sequential expert MLPs, or with
     ``moe_grouped_gemm`` :class:`verl_mcore_utils.grouped_experts.GroupedExperts` (torch's grouped GEMM).
+    With ``sequence_parallel`` the norms are :class:`verl_mcore_utils.sp_norm.SequenceParallelNorm` (megatron-core's
+    torch norm asserts SP off); :func:`build_gpt_model` gives the block's final norm the same.
     """
-    if tf_config.sequence_parallel:
-        raise ValueError(
-            "sequence_parallel=True needs Transformer Engine's layer norm (megatron-core's torch norm asserts it off);"
-            " set megatron.sequence_parallel=false or install Transformer Engine"
-        )
     experts = tf_config.num_moe_experts
     spec = get_gpt_layer_local_spec(
         num_experts=experts,
@@ -49,6 +48,8 @@ def local_layer_spec(tf_config: TransformerConfig, *, core_attention: type = SDP
         spec.submodules.mlp = with_mlp_class(spec.submodules.mlp, base=MLP, cls=FusedSwiGLUMLP)
     elif tf_config.moe_grouped_gemm:
         use_grouped_experts(spec)
+    if tf_config.sequence_parallel:
+        with_sequence_parallel_norms(spec)
     return spec
 
 
@@ -94,6 +95,13 @@ def build_gpt_model(
     spec = layer_spec if layer_spec is not None else local_layer_spec(tf_config)
     if isinstance(spec, ModuleSpec) and mixed_layers(tf_config) is not None:  # dense first layers (GLM-4.5)
         spec = mixed_block_spec(tf_config, spec, vp_stage=vp_stage)
+    if tf_config.sequence_parallel:
+        if torch.device(device).type == "cpu":
+            install_portable_sequence_parallel()  # megatron-core's SP collectives allocate on CUDA
+        if isinstance(
+            spec, ModuleSpec
+        ):  # the block's final norm: megatron-core's module-level torch norm otherwise
+            spec = block_spec_with_final_norm(tf_config, spec, vp_stage=vp_stage)
     with cpu_expert_bias(tf_config, device):
         model = _gpt_model(
             hf_config=hf_config,

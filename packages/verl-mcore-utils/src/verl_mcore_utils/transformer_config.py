@@ -85,7 +85,11 @@ def hf_to_transformer_config(
         raise ValueError(f"hidden_act {act!r} is not supported; dense Qwen2/Qwen3/Llama use 'silu' (SwiGLU)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    moe = _moe_fields(hf_config, tensor_model_parallel_size) if model_type == "qwen3_moe" else {}
+    moe = (
+        _moe_fields(hf_config, tensor_model_parallel_size, sequence_parallel=sequence_parallel)
+        if model_type == "qwen3_moe"
+        else {}
+    )
     if model_type == "glm4_moe":  # DeepSeek-V3's router and shared experts
         from verl_mcore_utils.moe_glm import glm4_moe_fields
 
@@ -158,7 +162,9 @@ def _model_fields(hf_config: Mapping[str, Any] | Any, model_type: str) -> dict[s
     }
 
 
-def _moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: int) -> dict[str, Any]:
+def _moe_fields(
+    hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: int, *, sequence_parallel: bool
+) -> dict[str, Any]:
     """The MoE fields of a Qwen3-MoE config.
 
     Routing: Qwen3-MoE takes the softmax over all experts, keeps the top k and, with ``norm_topk_prob``,
@@ -175,10 +181,11 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, tensor_model_parallel_size: 
             f"qwen3_moe with dense layers (decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}) is"
             " not supported: every decoder layer must be an MoE layer (decoder_sparse_step=1, mlp_only_layers=[])"
         )
-    if tensor_model_parallel_size != 1:
+    if tensor_model_parallel_size != 1 and not sequence_parallel:  # megatron-core's rule (it asserts it)
         raise ValueError(
             f"tensor_model_parallel_size={tensor_model_parallel_size} with the mixture-of-experts model"
-            f" {hf_get(hf_config, 'model_type')!r} is not supported yet; use tensor_model_parallel_size=1"
+            f" {hf_get(hf_config, 'model_type')!r} needs sequence_parallel=True (megatron-core routes each TP"
+            " rank's sequence shard); set megatron.sequence_parallel=true or tensor_model_parallel_size=1"
         )
     return {
         "num_moe_experts": hf_num_experts(hf_config),
