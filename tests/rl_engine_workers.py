@@ -883,3 +883,28 @@ def moe_graph_references(rank: int, world_size: int, model_dir: str, batch: dict
         "params_kept": same,
         "tracker_left": tracker_left,
     }
+
+
+def moe_engines_of_two_depths(
+    rank: int, world_size: int, model_dirs: list[str], batch: dict[str, Any]
+) -> list[float]:
+    """MoE actors of different depths stepped one after the other in one process, none closed: each one's loss
+    (megatron-core's MoE metrics tracker, sized by the first model, once made the deeper one fail)."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    overrides = [
+        f"trainer.n_gpus_per_node={world_size}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    engines, losses = [], []
+    for model_dir in model_dirs:
+        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        engines.append(engine)
+        with engine.train_mode():
+            out = engine.forward_backward_batch(
+                {**batch}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+            )
+        losses.append(float(out["loss"]))
+    return losses

@@ -49,3 +49,26 @@ def test_close_drops_what_moe_dispatchers_keep_of_the_last_step(tmp_path) -> Non
     assert out["dropped"] == len(out["before"]) and out["after"] == [], out
     assert out["params_kept"]
     assert not out["tracker_left"]
+
+
+def test_moe_engines_of_different_depths_train_in_one_process(tmp_path) -> None:
+    """megatron-core sizes its process-wide MoE metrics tracker by the first model that records and never
+    resizes it: a deeper MoE model built next in the same process failed inside its router (IndexError). The
+    engine drops the tracker before every MoE call (verl_engine.moe.drop_moe_metrics_tracker)."""
+    import math
+
+    from rl_engine_workers import moe_engines_of_two_depths
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    dirs = [
+        str(
+            save_tiny_hf_model(
+                "qwen3_moe", tmp_path / f"l{n}", seed=3, router_aux_loss_coef=0.1, num_hidden_layers=n
+            )
+        )
+        for n in (2, 4)
+    ]
+    batch = verl_batch(seed=6, prompt_lens=[3, 6, 1, 5], response_lens=[7, 2, 5, 4])
+    (losses,) = run_distributed(moe_engines_of_two_depths, world_size=1, args=(dirs, batch))
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses

@@ -117,10 +117,15 @@ def _moe_aux_loss_scale(
     engine: Any, num_micro_batches: int, *, forward_only: bool, schedule_sets_it: bool
 ) -> contextlib.AbstractContextManager[None]:
     """The aux-loss scale of a mixture-of-experts model for this call (:func:`verl_engine.moe.aux_loss_scale`);
-    nothing for a dense model or a forward-only call."""
-    if engine.moe is None or forward_only:
+    nothing for a dense model or a forward-only call. An MoE call starts with megatron-core's metrics tracker
+    dropped (:func:`verl_engine.moe.drop_moe_metrics_tracker`)."""
+    if engine.moe is None:
         return contextlib.nullcontext()
-    from verl_engine.moe import aux_loss_scale
+    from verl_engine.moe import aux_loss_scale, drop_moe_metrics_tracker
+
+    drop_moe_metrics_tracker()
+    if forward_only:
+        return contextlib.nullcontext()
 
     return aux_loss_scale(
         pool_size=engine.pool_size, num_micro_batches=num_micro_batches, schedule_sets_it=schedule_sets_it

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from verl_engine.moe import drop_moe_metrics_tracker
+
 __all__ = ["Closeable", "drop_autograd_graphs"]
 
 # what a closed engine keeps (to say which device it was on, and that it is closed)
@@ -49,7 +51,7 @@ class Closeable:
             cp_groups.destroy()
         del cp_groups
         _empty_megatron_memory_buffer()
-        _drop_moe_metrics_tracker()
+        drop_moe_metrics_tracker()
         gc.collect()
         device = self.__dict__.get("device")
         if isinstance(device, torch.device) and device.type == "cuda":
@@ -119,26 +121,6 @@ def _holds_graph(value: Any) -> bool:
     if isinstance(value, torch.nn.Parameter) or not isinstance(value, torch.Tensor):
         return False
     return value.grad_fn is not None
-
-
-def _drop_moe_metrics_tracker() -> None:
-    """megatron-core's process-wide MoE metrics tracker keeps a per-layer tensor on the engine's device.
-
-    It only feeds megatron-core's own logging, which the engines do not use; a later MoE engine creates
-    it again (megatron-core >= 0.16 lazily; older releases add the entry on first use).
-    """
-    try:
-        from megatron.core.transformer.moe import moe_logging
-    except ImportError:  # megatron-core < 0.16: a module-level dict in moe_utils
-        try:
-            from megatron.core.transformer.moe import moe_utils
-        except ImportError:  # pragma: no cover - megatron-core always has moe_utils
-            return
-        tracker = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
-        if isinstance(tracker, dict):
-            tracker.clear()
-        return
-    moe_logging.destroy_moe_metrics_tracker()
 
 
 def _empty_megatron_memory_buffer() -> None:

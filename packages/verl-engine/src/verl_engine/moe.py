@@ -139,6 +139,27 @@ def moe_routing(
     return MoeRouting(padding_mask=padding_mask_supported())
 
 
+def drop_moe_metrics_tracker() -> None:
+    """Drop megatron-core's process-wide MoE metrics tracker (its per-layer aux-loss sums, for its own logging).
+
+    Why: the tracker sizes each metric by the first model that records it and never resizes it, so a second
+    MoE model with more layers in the same process (a critic, the next experiment, a test after a test) fails
+    inside the router with an IndexError; and a closed engine's tracker keeps a tensor on its device. The
+    engines do not read it: it is dropped at close and before every call of an MoE engine, and megatron-core
+    creates it again on the next record (lazily on >= 0.16; older releases add the entry on first use).
+    """
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # megatron-core < 0.16: a module-level dict in moe_utils
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
+        if isinstance(tracker, dict):
+            tracker.clear()
+        return
+    moe_logging.destroy_moe_metrics_tracker()
+
+
 @contextlib.contextmanager
 def aux_loss_scale(*, pool_size: int, num_micro_batches: int, schedule_sets_it: bool) -> Iterator[None]:
     """The aux-loss backward scale for one call of ``num_micro_batches`` micro-batches (see the module doc).
