@@ -91,8 +91,21 @@ def moe_ppo_steps(
                 "log_probs": result["model_output"]["log_probs"].float().cpu(),
                 "grads": grads,
                 "params": _chunk_tensors(engine, "params"),
+                "expert_bias": _expert_biases(engine),
             }
         )
+    return out
+
+
+def _expert_biases(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's routers' expert biases (buffers, DeepSeek-V3-style routers) under global layer numbers."""
+    from verl_mcore_utils.module import unwrap_model
+    from verl_mcore_utils.weights.chunks import expert_bias_buffers
+
+    out: dict[str, torch.Tensor] = {}
+    for c, chunk in enumerate(engine.chunks):
+        named = {n: b.detach().cpu().clone() for n, b in expert_bias_buffers(unwrap_model(chunk))}
+        out.update(global_names(engine, named, chunk=c))
     return out
 
 

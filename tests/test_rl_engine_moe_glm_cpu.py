@@ -189,3 +189,39 @@ def test_engine_checkpoint_keeps_the_expert_bias(glm_dir: str, tmp_path) -> None
     for name, bias in got["saved"].items():
         assert not torch.equal(got["initial"][name], bias), name  # the step moved it: the load is seen
         assert torch.equal(got["loaded"][name], bias), name
+
+
+def test_glm_at_pp2_equals_one_rank(tmp_path) -> None:
+    """GLM-4.5 over two pipeline stages (4 layers: the dense first layer and an MoE layer on stage 0, two MoE
+    layers on stage 1): gradients, updated weights and the moved expert biases equal one rank's (each stage
+    moves its own routers' biases from its own token counts)."""
+    from moe_pp_workers import moe_ppo_steps
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    path = str(
+        save_tiny_hf_model(
+            "glm4_moe", tmp_path / "model", seed=3, router_aux_loss_coef=0.1, num_hidden_layers=4
+        )
+    )
+    batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
+    common = [f"{A}.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=1", *STEP]
+    ((one,),) = run_distributed(
+        moe_ppo_steps, world_size=1, args=(path, [["trainer.n_gpus_per_node=1", *common]], batch)
+    )
+    assert len(one["expert_bias"]) == 3, sorted(one["expert_bias"])  # layers 1-3 route
+    pp = ["trainer.n_gpus_per_node=2", *common, f"{AM}.pipeline_model_parallel_size=2"]
+    per_rank = run_distributed(moe_ppo_steps, world_size=2, args=(path, [pp], batch))
+    got = {key: {} for key in ("grads", "params", "expert_bias")}
+    for (result,) in per_rank:
+        assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, result["loss"]
+        assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+        for key in got:
+            got[key].update(result[key])
+    for key in ("grads", "params"):
+        worst = _worst(got[key], one[key])
+        print(f"\npp2 {key}: worst rel. error {worst:.2e}")
+        assert worst < 1e-5, (key, worst)
+    assert got["expert_bias"].keys() == one["expert_bias"].keys()
+    for name, bias in got["expert_bias"].items():
+        assert torch.equal(bias, one["expert_bias"][name]), name
