@@ -31,7 +31,7 @@ def _row_counts(rows: int, group: Any, device: torch.device) -> list[int]:
     return [int(c.item()) for c in counts]
 
 
-def _gather_rows(x: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:
     """Concatenate every rank's rows (``counts[r]`` rows on rank r) along dim 0; all ranks get the result."""
     longest = max(counts)
     x = x.contiguous()
@@ -42,7 +42,7 @@ def _gather_rows(x: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor
     return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
 
 
-def _own_rows(total: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:
+def own_rows(total: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:
     """The sum of ``total`` over ``group``, this rank's rows only (reduce-scatter as all-reduce + slice)."""
     total = total.contiguous().clone()
     dist.all_reduce(total, group=group)
@@ -56,11 +56,11 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.counts = group, counts
-        return _gather_rows(x, group, counts)
+        return gather_rows(x, group, counts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return _own_rows(grad, ctx.group, ctx.counts), None, None
+        return own_rows(grad, ctx.group, ctx.counts), None, None
 
 
 class _ReduceScatterRows(torch.autograd.Function):
@@ -69,11 +69,11 @@ class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, counts: list[int]) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.counts = group, counts
-        return _own_rows(x, group, counts)
+        return own_rows(x, group, counts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return _gather_rows(grad, ctx.group, ctx.counts), None, None
+        return gather_rows(grad, ctx.group, ctx.counts), None, None
 
 
 class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
@@ -90,7 +90,7 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             group = self.tp_ep_group
             self._row_counts = _row_counts(hidden_states.shape[0], group, hidden_states.device)
             with torch.no_grad():  # gloo gathers no bool tensors
-                routing = _gather_rows(self.routing_map.to(torch.uint8), group, self._row_counts)
+                routing = gather_rows(self.routing_map.to(torch.uint8), group, self._row_counts)
                 self.routing_map = routing.to(self.routing_map.dtype)
             probs = _GatherRows.apply(probs, group, self._row_counts)
             hidden_states = _GatherRows.apply(hidden_states, group, self._row_counts)

@@ -24,7 +24,8 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from verl_mcore_utils.moe_dispatch import gather_rows, own_rows
 
 __all__ = ["install_portable_sequence_parallel"]
 
@@ -38,20 +39,12 @@ def _split(input_: torch.Tensor, sizes: Any, world: int) -> list[int]:
 def _gather_rows(
     input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False
 ):
-    """Concatenate every rank's rows along dim 0 (``output_split_sizes``: each rank's row count)."""
+    """Concatenate every rank's rows along dim 0 (``output_split_sizes``: each rank's row count; default equal)."""
     world = group.size()
     if world == 1:
         return input_
-    input_ = input_.contiguous()
-    if output_split_sizes is None:
-        parts = [torch.empty_like(input_) for _ in range(world)]
-        dist.all_gather(parts, input_, group=group)
-        return torch.cat(parts)
-    longest = max(output_split_sizes)
-    padded = torch.cat([input_, input_.new_zeros(longest - input_.shape[0], *input_.shape[1:])])
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes, strict=True)])
+    counts = list(output_split_sizes) if output_split_sizes is not None else [input_.shape[0]] * world
+    return gather_rows(input_, group, counts)
 
 
 def _reduce_scatter_rows(
@@ -61,14 +54,9 @@ def _reduce_scatter_rows(
     world = group.size()
     if world == 1:
         return input_
-    sizes = _split(input_, input_split_sizes, world)
     if input_split_sizes is None and input_.shape[0] % world:
         raise ValueError(f"first dimension {input_.shape[0]} is not divisible by the TP size {world}")
-    total = input_.contiguous().clone()
-    dist.all_reduce(total, group=group)
-    rank = group.rank()
-    start = sum(sizes[:rank])
-    return total[start : start + sizes[rank]].contiguous()
+    return own_rows(input_, group, _split(input_, input_split_sizes, world))
 
 
 def _by_device(original: Any, portable: Any) -> Any:
