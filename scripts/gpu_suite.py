@@ -87,6 +87,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "packages/verl-mcore-utils/tests/test_bridges.py",
             "packages/verl-mcore-utils/tests/test_gpu_swiglu.py",
             "packages/verl-mcore-utils/tests/test_multi_tensor.py",
+            "packages/verl-mcore-utils/tests/test_parallel.py",
             "tests/test_gpu_construction.py",
             "tests/test_gpu_fused_adam.py",
             "tests/test_gpu_grouped_experts.py",

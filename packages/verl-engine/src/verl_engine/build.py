@@ -197,7 +197,7 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
     """megatron-core's parallel state (initialised here if needed, else checked) and the role's CP layout."""
     from megatron.core import parallel_state as ps
 
-    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.parallel import init_parallel, seed_cuda_rng_tracker
 
     check_expert_parallel(engine, hf=model.hf, model_name=model.path or "(hf_config)")
     wanted = (
@@ -227,6 +227,7 @@ def _parallel_state(engine: Any, *, model: _Model, device: torch.device, debug: 
             f"megatron-core is initialised with TP / PP / VPP / EP / ETP sizes {initialised} but this"
             f" role's section asks for {wanted}; roles sharing a process group must share the model-parallel layout"
         )
+    seed_cuda_rng_tracker(seed=engine.seed, device=device)  # SP / TP forwards fork its states
     if debug and wanted[1] > 1 and model.hf.get("tie_word_embeddings") and not model.value_model:
         raise NotImplementedError(
             "tie_word_embeddings with pipeline_model_parallel_size > 1 needs CUDA: megatron-core copies the last"
@@ -426,11 +427,7 @@ def _mtp_layers(mtp: Any | None, *, hf: Mapping[str, Any], model_path: str | Non
 
 
 def rl_engine_from_config(
-    cfg: Any,
-    *,
-    role: str,
-    device: torch.device,
-    hf_config: Mapping[str, Any] | None = None,
+    cfg: Any, *, role: str, device: torch.device, hf_config: Mapping[str, Any] | None = None
 ) -> RLEngine:
     """The engine of ``role`` (actor | ref | critic) from a loaded ``ppo_trainer`` config (model_engine=megatron)."""
     if role not in ROLES:

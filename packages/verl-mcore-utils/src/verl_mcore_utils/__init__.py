@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.parallel import ParallelDims as ParallelDims
     from verl_mcore_utils.parallel import destroy_parallel as destroy_parallel
     from verl_mcore_utils.parallel import init_parallel as init_parallel
+    from verl_mcore_utils.parallel import seed_cuda_rng_tracker as seed_cuda_rng_tracker
     from verl_mcore_utils.presets import PRESETS as PRESETS
     from verl_mcore_utils.presets import qwen2_preset as qwen2_preset
     from verl_mcore_utils.rope import PortableRotaryEmbedding as PortableRotaryEmbedding
@@ -107,6 +108,7 @@ _LAZY: dict[str, str] = {
     "qwen2_preset": "verl_mcore_utils.presets",
     "run_distributed": "verl_mcore_utils.testing",
     "save_hf_weights": "verl_mcore_utils.weights",
+    "seed_cuda_rng_tracker": "verl_mcore_utils.parallel",
     "unwrap_model": "verl_mcore_utils.module",
 }
 

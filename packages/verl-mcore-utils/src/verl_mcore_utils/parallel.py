@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 
 from verl_config.validation import check_parallel_layout
 
-__all__ = ["ParallelDims", "destroy_parallel", "init_parallel"]
+__all__ = ["ParallelDims", "destroy_parallel", "init_parallel", "seed_cuda_rng_tracker"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,27 @@ def init_parallel(
         expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     return dims
+
+
+def seed_cuda_rng_tracker(*, seed: int, device: torch.device | str) -> bool:
+    """Seed megatron-core's CUDA RNG tracker on a GPU, unless the trainer has seeded it; True if seeded here.
+
+    megatron-core forks the tracker's "model-parallel-rng" state in every forward under sequence parallelism
+    (the embedding's dropout) and tensor-parallel attention dropout; unseeded, the first forward fails with
+    "cuda rng state model-parallel-rng is not added". Megatron trainers call
+    ``model_parallel_cuda_manual_seed`` at start-up; a library engine cannot assume its caller did. Needs the
+    model-parallel groups (TP / EP ranks offset the seeds). A trainer's own seeding is kept, the caller's
+    default CUDA generator is left as it was (megatron-core's function reseeds it), and a CPU device leaves
+    the tracker alone (it holds CUDA generator states only).
+    """
+    from megatron.core import tensor_parallel
+
+    if torch.device(device).type != "cuda" or tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        return False
+    default = torch.cuda.get_rng_state()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.cuda.set_rng_state(default)
+    return True
 
 
 def destroy_parallel() -> None:
