@@ -155,13 +155,13 @@ def _engine_section(**sizes: int) -> SimpleNamespace:
         (
             {"expert_model_parallel_size": 4},
             {},
-            ["expert_model_parallel_size=4", "2 ranks of the DP x CP pool"],
+            ["expert_model_parallel_size=4", "2 ranks of a pipeline stage"],
         ),
         ({}, {"model_type": "qwen3"}, ["expert_model_parallel_size=2", "dense model"]),
         (
             {"pipeline_model_parallel_size": 2},
             {},
-            ["expert_model_parallel_size=2", "1 ranks of the DP x CP pool", "x PP"],
+            ["expert_model_parallel_size=2", "1 ranks of a pipeline stage", "world size / PP"],
         ),
         (
             {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 5},

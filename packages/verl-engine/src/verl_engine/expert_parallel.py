@@ -112,8 +112,8 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
     stage = _world_size() // pp
     if stage % (ep * etp):
         raise ValueError(
-            f"{_KEY}={ep} x {_ETP}={etp} does not divide the {stage} ranks of the DP x CP pool (world size /"
-            f" (TP x PP)); the expert groups are carved out of that pool: choose sizes whose product divides {stage}"
+            f"{_KEY}={ep} x {_ETP}={etp} does not divide the {stage} ranks of a pipeline stage (world size / PP);"
+            f" megatron-core carves the expert groups out of them: choose sizes whose product divides {stage}"
         )
     if etp != tp and _mcore_version() < (0, 19):
         raise NotImplementedError(
