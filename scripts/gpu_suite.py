@@ -116,7 +116,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_moe_glm.py",
             "tests/test_gpu_moe_pp.py",
         ),
-        264,  # at dcc75e6, before test_gpu_moe_pp.py joined it
+        350,  # 280 s at cc6004f (2 x H200); the MTP case of test_gpu_moe.py joined after
     ),
     Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 120),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),

@@ -44,24 +44,39 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.num_gpus(2)
-def test_moe_aux_loss_on_two_gpus_matches_one_gpu(tmp_path) -> None:
+@pytest.mark.parametrize("mtp", [False, True], ids=["no_mtp", "mtp"])
+def test_moe_aux_loss_on_two_gpus_matches_one_gpu(tmp_path, mtp: bool) -> None:
+    """``mtp``: two MTP layers (MoE layers, their routers' aux loss and padding mask included) and the MTP loss."""
+    from rl_engine_workers import MTP_ON
+
     from verl_mcore_utils.hf_testing import save_tiny_hf_model
 
-    model_dir = str(save_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=3, router_aux_loss_coef=0.1))
+    extra = {"num_nextn_predict_layers": 2} if mtp else {}
+    model_dir = str(
+        save_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=3, router_aux_loss_coef=0.1, **extra)
+    )
     batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
-    one = [["trainer.n_gpus_per_node=1", f"{A}.ppo_micro_batch_size_per_gpu=4", *COMMON]]
+    common = [*COMMON, *MTP_ON] if mtp else COMMON
+    one = [["trainer.n_gpus_per_node=1", f"{A}.ppo_micro_batch_size_per_gpu=4", *common]]
     ((ref,),) = run_distributed(
         mtp_step_layouts, world_size=1, backend="nccl", args=(model_dir, one, batch, 0, "cuda"), timeout_s=300
     )
     routers = [n for n in ref["grads"] if n.endswith("mlp.router.weight")]
     assert routers and all(float(ref["grads"][n].abs().max()) > 0 for n in routers)
-    two = [["trainer.n_gpus_per_node=2", *COMMON, *v] for v in LAYOUTS.values()]
+    if mtp:
+        assert any(n.startswith("mtp.") for n in routers)
+    two = [["trainer.n_gpus_per_node=2", *common, *v] for v in LAYOUTS.values()]
     results = run_distributed(
         mtp_step_layouts, world_size=2, backend="nccl", args=(model_dir, two, batch, 0, "cuda"), timeout_s=300
     )
     for rank_results in results:
         for name, got in zip(LAYOUTS, rank_results, strict=True):
             assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+            for key in (k for k in ref["metrics"] if k.startswith("mtp_losses/")):
+                assert abs(got["metrics"][key] - ref["metrics"][key]) <= 1e-4 * ref["metrics"][key], (
+                    name,
+                    key,
+                )
             assert got["grads"].keys() == ref["grads"].keys(), name
             worst = max(_rel(got["grads"][n], ref["grads"][n]) for n in ref["grads"])
             assert worst < 1e-4, (name, worst)

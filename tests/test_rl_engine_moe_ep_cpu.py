@@ -77,8 +77,10 @@ def _gathered(per_rank: list[dict], key: str, *, ep: int = 2, etp: int = 1) -> d
             elif name in out and ".local_experts." not in name:
                 assert torch.equal(out[name], value), (key, name, rank)
             out.setdefault(name, value)
-    for name, parts in slices.items():
-        out[name] = tp_unshard(parts, mappings[name])
+    for name, parts in slices.items():  # an MTP layer's expert is laid out like a decoder layer's
+        out[name] = tp_unshard(
+            parts, mappings[re.sub(r"^mtp\.layers\.\d+\.mtp_model_layer\.", "decoder.layers.0.", name)]
+        )
     return out
 
 
@@ -97,6 +99,39 @@ def test_expert_parallel_step_equals_one_rank(moe_dir: str) -> None:
             got = _gathered(results, key)
             worst = _worst(got, _per_expert(one[key]))
             print(f"EP 2 {name} {key}: worst relative error {worst:.2e}")
+            assert worst < 1e-5, (name, key, worst)
+
+
+def test_expert_parallel_with_mtp_layers_equals_one_rank(tmp_path) -> None:
+    """Two MTP layers (MoE layers whose experts are split over EP like the decoder's) with the MTP loss: EP 2 at
+    DP 2, and on megatron-core >= 0.19 ETP 2 (sequential experts, gated fc1 split in megatron-core's layout),
+    equal EP 1 on one rank, every gradient and updated weight (MTP experts included, freshly initialised the same
+    whatever the layout) gathered per global expert, 1e-5."""
+    from rl_engine_workers import MTP_ON
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    coef = 0.1 if _supports_padding_mask() else 0.0
+    path = str(
+        save_tiny_hf_model(
+            "qwen3_moe", tmp_path / "model", seed=3, router_aux_loss_coef=coef, num_nextn_predict_layers=2
+        )
+    )
+    one = _steps(1, path, {"one": MTP_ON})[0]["one"]
+    assert any(n.startswith("mtp.") and ".mlp.experts." in n for n in one["grads"])
+    layouts = {"ep2": [EP2, *MTP_ON]}
+    if _mcore_minor() >= (0, 19):
+        sequential = f"+{AM}.override_transformer_config.moe_grouped_gemm=false"
+        layouts["etp2"] = [f"{AM}.expert_tensor_parallel_size=2", sequential, *MTP_ON]
+    per_rank = _steps(2, path, layouts)
+    for name, (ep, etp) in {"ep2": (2, 1), "etp2": (1, 2)}.items():
+        if name not in layouts:
+            continue
+        results = [ranks[name] for ranks in per_rank]
+        for result in results:
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
+        for key in ("grads", "params"):
+            worst = _worst(_gathered(results, key, ep=ep, etp=etp), _per_expert(one[key]))
             assert worst < 1e-5, (name, key, worst)
 
 

@@ -89,8 +89,13 @@ def build_thd_gpt_model(
         from verl_mcore_utils.mtp import build_mtp_block, build_mtp_embedding
 
         model.mtp = build_mtp_block(
-            tf_config=tf_config, layer_spec=spec, num_layers=mtp_num_layers, vp_stage=vp_stage
-        ).to(device)
+            tf_config=tf_config,
+            layer_spec=spec,
+            num_layers=mtp_num_layers,
+            vp_stage=vp_stage,
+            device=device,
+            pg_collection=getattr(model, "pg_collection", None),  # megatron-core 0.19: EP groups included
+        )
         if not pre_process:  # pipeline stages: the MTP inputs need a copy of the first stage's embedding
             model.mtp_embedding = build_mtp_embedding(model, tf_config=tf_config).to(device)
     return model

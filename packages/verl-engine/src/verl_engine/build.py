@@ -122,7 +122,6 @@ def build_rl_engine(
         pool_size=parallel.pool,
         trains=trains,
         padded_rows=not engine.use_remove_padding,
-        mtp_layers=model.mtp_layers,
         model_name=f"{model.path or '(hf_config)'} ({model.hf.get('model_type')!r})",
     )
     replay = router_replay_settings(engine.router_replay, tf_config=tf_config, trains=trains)
@@ -132,7 +131,8 @@ def build_rl_engine(
 
         from verl_engine.moe import route_over_pool
 
-        route_over_pool(chunks, group=parallel_state.get_tensor_and_data_parallel_group())
+        group = parallel_state.get_tensor_and_data_parallel_group()
+        route_over_pool(chunks, group=group, mtp_layers=model.mtp_layers)
     optimizer, lr_schedule = training_state(
         chunks,
         engine=engine,

@@ -125,6 +125,7 @@ class ModelForward:
                 counts=list(mtp_counts),
                 pool_size=self.pool_size,
                 tracker=tracker,
+                padding_mask=self._routing_kwargs(mb, local.input_ids[None]).get("padding_mask"),
             )
         merged: dict[str, torch.Tensor] = {}
         if self.value_model:

@@ -27,6 +27,7 @@ pool has more than one rank (:func:`moe_refusals`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,12 +71,26 @@ def padding_mask_supported() -> bool:
     return "padding_mask" in inspect.signature(GPTModel.forward).parameters
 
 
-def route_over_pool(chunks: Sequence[torch.nn.Module], *, group: Any) -> int:
+def route_over_pool(chunks: Sequence[torch.nn.Module], *, group: Any, mtp_layers: int = 0) -> int:
     """Point every router's token statistics (aux loss, z-loss averaging) at ``group`` (TP x the DP x CP
-    pool: every rank holding a piece of the micro-batch). Returns the number of routers changed."""
+    pool: every rank holding a piece of the micro-batch). Returns the number of routers changed.
+
+    ``mtp_layers``: the model's MTP layers (verl_mcore_utils.mtp, built beside GPTModel, whose own config has
+    no ``mtp_num_layers``). megatron-core logs each router's aux loss into a process-wide per-layer tensor
+    sized by the first router that records, ``num_layers (+ mtp_num_layers)`` of its config; the decoder's
+    routers come first and would size it without the MTP slots, and the MTP routers' record then fails with
+    an IndexError. The decoder's routers get a copy of their config that counts the MTP layers, as a
+    megatron-core MTP model's routers do (the router reads ``mtp_num_layers`` for that log size only).
+    """
     routers = moe_routers(chunks)
+    counted: dict[int, Any] = {}
     for router in routers:
         router.tp_cp_group = group
+        config = router.config
+        if mtp_layers and config.mtp_num_layers is None:
+            if id(config) not in counted:
+                counted[id(config)] = dataclasses.replace(config, mtp_num_layers=mtp_layers)
+            router.config = counted[id(config)]
     return len(routers)
 
 
@@ -121,7 +136,7 @@ def moe_refusals(tf_config: Any, *, pool_size: int, trains: bool, padded_rows: b
 
 
 def moe_routing(
-    tf_config: Any, *, pool_size: int, trains: bool, padded_rows: bool, mtp_layers: int, model_name: str
+    tf_config: Any, *, pool_size: int, trains: bool, padded_rows: bool, model_name: str
 ) -> MoeRouting | None:
     """How the engine feeds the routers of the model ``tf_config`` describes (None: a dense model). Raises
     NotImplementedError naming every setting it cannot train exactly, before any model is built."""
@@ -129,11 +144,6 @@ def moe_routing(
     if not experts:
         return None
     problems = moe_refusals(tf_config, pool_size=pool_size, trains=trains, padded_rows=padded_rows)
-    if mtp_layers:
-        problems.append(
-            "multi-token prediction (actor_rollout_ref.model.mtp.enable=true) with a mixture-of-experts model:"
-            " the MTP layers' routers are not fed the padding mask yet; set mtp.enable=false"
-        )
     if problems:
         raise NotImplementedError(f"model {model_name}, {experts} experts: " + "; ".join(problems))
     return MoeRouting(padding_mask=padding_mask_supported())

@@ -101,12 +101,16 @@ def run_mtp(
     counts: list[int],
     pool_size: int,
     tracker: MtpTracker,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP layers on this rank's share; returns the term to add to the training loss.
 
     ``gpt`` is the unwrapped last-stage GPTModel with ``gpt.mtp`` (verl_dyncp builds it); ``hidden``
     the decoder's output for this rank's tokens ([s, 1, h]); ``packed_ids`` / ``label_mask`` the whole
     micro-batch packed (the split's source); ``counts`` the call's valid targets per depth.
+    ``padding_mask``: the decoder's (``[1, s]``, True at padding) for MoE MTP layers: a position is padding at
+    every depth when its own token is (a real token whose token ``t + k`` lies past its sequence end is
+    routed and counted, as megatron-core's rolled mask does).
     """
     from verl_dyncp.planner import dynamic_cp_take_ahead
     from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
@@ -136,6 +140,7 @@ def run_mtp(
             hidden_states=h,
             decoder_input=embedded,
             packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
         )
         logits, _ = gpt.output_layer(h, weight=weight)
         log_probs, _ = vocab_parallel_log_probs_and_entropy(

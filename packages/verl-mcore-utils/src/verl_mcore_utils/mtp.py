@@ -28,13 +28,29 @@ __all__ = ["build_mtp_block", "build_mtp_embedding", "mtp_layer_forward", "sync_
 
 
 def build_mtp_block(
-    *, tf_config: TransformerConfig, layer_spec: ModuleSpec, num_layers: int, vp_stage: int | None = None
+    *,
+    tf_config: TransformerConfig,
+    layer_spec: ModuleSpec,
+    num_layers: int,
+    vp_stage: int | None = None,
+    device: torch.device | str = "cuda",
+    pg_collection: Any = None,
 ) -> MultiTokenPredictionBlock:
     """megatron-core's MTP block of ``num_layers`` layers, each a copy of ``layer_spec``'s decoder layer.
 
     Build it on the last pipeline stage only (where the decoder's final hidden states are).
-    ``tf_config`` is the model's config; the block gets a copy with ``mtp_num_layers`` set.
+    ``tf_config`` is the model's config; the block gets a copy with ``mtp_num_layers`` set. Mixture-of-experts
+    layers get what :func:`verl_mcore_utils.model.build_gpt_model` gives the decoder's: the padding-correct
+    expert-bias count, and on a CPU ``device`` the portable routers and dispatchers (megatron-core's move
+    router weights to CUDA) with expert-bias buffers made on the CPU. Returned on ``device``.
+    ``pg_collection``: the GPTModel's process groups (megatron-core >= 0.19; pass ``model.pg_collection``).
+    Without it 0.19's block takes the TP and CP groups only, and its MoE layers, finding no expert group, hold
+    every expert on every rank at EP > 1 (no dispatch over EP; the experts' gradients are then reduced over
+    an expert-data-parallel group that does not hold their other shares).
     """
+    from verl_mcore_utils.moe import make_moe_portable
+    from verl_mcore_utils.moe_layers import add_expert_bias, cpu_expert_bias
+
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1 for an MTP block, got {num_layers}")
     if tf_config.sequence_parallel:  # its norms are megatron-core's torch norms, which assert SP off
@@ -48,9 +64,13 @@ def build_mtp_block(
         raise ValueError(
             "megatron-core builds no MTP layers on this pipeline stage; build the MTP block on the last stage only"
         )
-    block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage)
+    with cpu_expert_bias(config, device):
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+        block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage, **groups)
+    add_expert_bias(block, config)
+    make_moe_portable(block, device)
     _initialise(block, std=tf_config.init_method_std)
-    return block
+    return block.to(device)
 
 
 @torch.no_grad()
@@ -61,16 +81,21 @@ def _initialise(block: torch.nn.Module, *, std: float) -> None:
     megatron-core's own init draws from the global RNG after the decoder layers of *this* stage, so the
     result would change with the pipeline split and the TP size. Here every parameter is drawn whole from a
     generator seeded with the process's torch seed (in name order), and each TP rank keeps its slice:
-    matrices normal(0, ``init_method_std``), norm weights 1, biases 0.
+    matrices normal(0, ``init_method_std``), norm weights 1, biases 0. Experts (MoE MTP layers) are drawn per
+    global expert from their own generators (:func:`_init_expert`), so that EP and ETP do not change them either.
     """
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    generator = torch.Generator().manual_seed(torch.initial_seed())
+    seed = torch.initial_seed()
+    generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(block.named_parameters()):
         if param.ndim == 1:
             param.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        if ".experts." in name:
+            _init_expert(name, param, std=std, seed=seed, config=block.config)
             continue
         shape = list(param.shape)
         sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
@@ -78,8 +103,64 @@ def _initialise(block: torch.nn.Module, *, std: float) -> None:
             shape[param.partition_dim] *= tp_size
         full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
         if sharded:
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            full = _slice(
+                full, param, name=name, glu=block.config.gated_linear_unit, rank=tp_rank, size=tp_size
+            )
         param.copy_(full)
+
+
+def _init_expert(name: str, param: torch.nn.Parameter, *, std: float, seed: int, config: Any) -> None:
+    """One expert parameter of this rank, cut from the whole tensor of its global expert(s).
+
+    SequentialMLP: ``...local_experts.<i>....`` is global expert ``ep_rank x local + i``, split over ETP along
+    its ``partition_dim``. Grouped experts (``...experts.linear_fc<n>_weight``, [local experts, ...]): row ``i``
+    is that global expert's whole matrix. Each global expert's matrix is drawn by its SequentialMLP name, so
+    grouped and sequential experts, EP and ETP all start from the same weights.
+    """
+    import re
+
+    from megatron.core import parallel_state
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    sequential = re.match(r"^(.*\.local_experts\.)(\d+)(\..+)$", name)
+    if sequential is not None:
+        global_name = f"{sequential[1]}{ep_rank * local + int(sequential[2])}{sequential[3]}"
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        shape = list(param.shape)
+        sharded = bool(getattr(param, "tensor_model_parallel", False)) and etp > 1
+        if sharded:
+            shape[param.partition_dim] *= etp
+        full = _draw(global_name, shape, std=std, seed=seed)
+        if sharded:
+            rank = parallel_state.get_expert_tensor_parallel_rank()
+            full = _slice(full, param, name=name, glu=config.gated_linear_unit, rank=rank, size=etp)
+        param.copy_(full)
+        return
+    grouped = re.match(r"^(.*\.experts\.)linear_fc([12])_weight$", name)
+    if grouped is None:
+        raise ValueError(f"MTP initialisation: unknown expert parameter {name!r}")
+    for i in range(param.shape[0]):
+        global_name = f"{grouped[1]}local_experts.{ep_rank * local + i}.linear_fc{grouped[2]}.weight"
+        param[i].copy_(_draw(global_name, list(param.shape[1:]), std=std, seed=seed))
+
+
+def _draw(name: str, shape: list[int], *, std: float, seed: int) -> torch.Tensor:
+    """normal(0, std) of ``shape`` from a generator of its own, seeded by ``seed`` and ``name``."""
+    import zlib
+
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def _slice(
+    full: torch.Tensor, param: torch.nn.Parameter, *, name: str, glu: bool, rank: int, size: int
+) -> torch.Tensor:
+    """This rank's slice of a whole tensor, in megatron-core's layout: a gated fc1 holds ``[gate; up]`` shards."""
+    from verl_mcore_utils.weights.fused import tp_slice
+
+    gate_up = glu and name.endswith("linear_fc1.weight")
+    return tp_slice(full, dim=param.partition_dim, gate_up=gate_up, rank=rank, size=size)
 
 
 def mtp_layer_forward(
@@ -88,6 +169,7 @@ def mtp_layer_forward(
     hidden_states: torch.Tensor,
     decoder_input: torch.Tensor,
     packed_seq_params: Any,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One MTP depth: norm(embedding of token t+k) ++ norm(hidden of depth k-1) -> projection -> layer -> norm.
 
@@ -95,6 +177,8 @@ def mtp_layer_forward(
     (taken by the caller within its sequence); ``hidden_states`` the previous depth's output ([s, b, h]).
     megatron-core 0.14 to 0.19 all have ``_proj_and_transformer_layer`` with these keywords; its public
     ``forward`` is not used because it re-derives the next tokens by rolling the local tensor.
+    ``padding_mask`` ([b, s], True at padding; megatron-core >= 0.16): an MoE MTP layer's router then
+    neither balances nor counts those positions, as the decoder's routers do with GPTModel's mask.
     """
     step = getattr(layer, "_proj_and_transformer_layer", None)
     if step is None:
@@ -102,11 +186,13 @@ def mtp_layer_forward(
             f"megatron-core {mcore_version()}: MultiTokenPredictionLayer has no _proj_and_transformer_layer;"
             " MTP is supported with megatron-core 0.14 to 0.19"
         )
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     return step(
         hidden_states=hidden_states,
         decoder_input=decoder_input,
         attention_mask=None,
         packed_seq_params=packed_seq_params,
+        **extra,
     )
 
 
