@@ -195,22 +195,48 @@ def test_router_replay_at_pp2_ep2_and_ep2_pp2_equals_one_rank(moe_dir: str) -> N
                 assert worst < 1e-5, (name, key, worst)
 
 
-def test_expert_tensor_parallelism_with_pipeline_stages_is_refused_by_name(monkeypatch) -> None:
-    """ETP with PP is not tested: refused before any model is built (EP with PP runs, above)."""
-    from test_rl_engine_moe_ep_cpu import _engine_section
+def test_expert_tensor_parallelism_with_pipeline_stages_equals_one_rank(moe_dir: str, one_rank: dict) -> None:
+    """PP 2 x ETP 2 on 4 ranks (sequential experts: each stage's experts split over the stage's 2 ranks, gated fc1
+    in megatron-core's ``[gate shard; up shard]`` layout): gradients and updated weights, ETP slices joined, equal
+    one rank, 1e-5. megatron-core < 0.19 refuses ETP other than TP by name (tests/test_rl_engine_moe_ep_cpu.py)."""
+    import re
 
-    from verl_engine.expert_parallel import check_expert_parallel
+    from test_rl_engine_moe_ep_cpu import _mcore_minor, _per_expert
 
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    section = _engine_section(
-        expert_model_parallel_size=1, expert_tensor_parallel_size=2, pipeline_model_parallel_size=2
-    )
-    config = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 48}
-    with pytest.raises(NotImplementedError) as error:
-        check_expert_parallel(section, hf=config, model_name="tiny")
-    assert "expert_tensor_parallel_size=2" in str(error.value) and "pipeline_model_parallel_size=2" in str(
-        error.value
-    )
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.weights.fused import tp_unshard
+    from verl_mcore_utils.weights.names import param_mappings
+
+    if _mcore_minor() < (0, 19):
+        return
+    etp2 = [
+        f"{AM}.expert_tensor_parallel_size=2",
+        f"+{AM}.override_transformer_config.moe_grouped_gemm=false",
+    ]
+    per_rank = steps(4, moe_dir, {"pp2_etp2": [PP2, *etp2]}, pool=2)
+    results = [ranks["pp2_etp2"] for ranks in per_rank]
+    mappings = {m.megatron_name: m for m in param_mappings(hf_config=tiny_hf_config("qwen3_moe"))}
+    for key in ("grads", "params"):
+        got: dict[str, torch.Tensor] = {}
+        slices: dict[str, list] = {}
+        for rank, result in enumerate(results):  # PP outermost: ranks 0-1 stage 0; ETP rank = rank % 2
+            for name, value in result[key].items():
+                if ".local_experts." in name:
+                    slices.setdefault(name, [None, None])[rank % 2] = value
+                elif name in got:
+                    assert torch.equal(got[name], value), (key, name, rank)
+                got.setdefault(name, value)
+        for name, parts in slices.items():
+            got[name] = tp_unshard(
+                parts, mappings[re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.0.", name)]
+            )
+        want = _per_expert(one_rank["one"][key])
+        assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+        worst = max(rel(got[n], want[n]) for n in want)
+        print(f"pp2_etp2 {key}: worst rel. error {worst:.1e}")
+        assert worst < 1e-5, (key, worst)
+    for result in results:
+        assert abs(result["loss"] - one_rank["one"]["loss"]) <= 1e-5 * abs(one_rank["one"]["loss"]) + 1e-7
 
 
 def test_router_replay_with_recompute_across_stages_is_refused_by_name(moe_dir: str) -> None:

@@ -98,11 +98,6 @@ def check_expert_parallel(engine: Any, *, hf: Mapping[str, Any], model_name: str
             " divisor"
         )
     problems = []
-    if pp > 1 and etp != tp:
-        problems.append(
-            f"{_ETP}={etp} with megatron.pipeline_model_parallel_size={pp}: expert tensor parallelism with pipeline"
-            f" stages is not tested yet (EP with PP is); set {_ETP}=null or pipeline_model_parallel_size=1"
-        )
     if engine.use_megatron_fsdp:
         problems.append(
             f"{what} with megatron.use_megatron_fsdp=true is not supported yet; set use_megatron_fsdp=false"
