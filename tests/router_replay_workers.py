@@ -108,7 +108,12 @@ def _probe_errors(seen: list[Any]) -> list[dict[str, Any]]:
         logits = router.gating(hidden).reshape(-1, router.config.num_moe_experts).float()
         k = router.topk
         experts = probs.float().masked_fill(~routing_map, float("-inf")).topk(k, dim=1).indices
-        if router.config.moe_router_pre_softmax:
+        if (
+            router.config.moe_router_score_function == "sigmoid"
+        ):  # DeepSeek-V3 / GLM-4.5: bias steers the choice only
+            expected = torch.sigmoid(logits).gather(1, experts)
+            expected = expected / expected.sum(dim=-1, keepdim=True) if k > 1 else expected
+        elif router.config.moe_router_pre_softmax:
             expected = torch.softmax(logits, dim=-1).gather(1, experts)
         else:
             expected = torch.softmax(logits.gather(1, experts), dim=-1)

@@ -6,7 +6,7 @@ collectives (:mod:`verl_mcore_utils.sp_portable`); here megatron-core's own SP c
 2 GPUs at TP 2 + SP, norms from :mod:`verl_mcore_utils.sp_norm`. fp32 without the distributed optimizer,
 TF32 off by the engine's fp32 path: loss and every gradient, TP shards joined, within 1e-4 relative of one GPU.
 MoE: experts at ETP = TP = 2 (sequential experts; all-to-all dispatcher over TP) and at ETP 1 (grouped experts,
-each TP rank runs whole experts on its own shard).
+each TP rank runs whole experts on its own shard); GLM-4.5 (dense first layer, expert bias) at ETP 1.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ LAYOUTS = {
         "etp1_grouped": [*TP2_SP, f"{AM}.expert_tensor_parallel_size=1"],
     },
     "qwen3": {"dense": TP2_SP},
+    # GLM-4.5: dense first layer and MoE layers in one block (its final norm sequence-parallel), expert bias
+    "glm4_moe": {"etp1_grouped": [*TP2_SP, f"{AM}.expert_tensor_parallel_size=1"]},
 }
 
 
@@ -54,7 +56,7 @@ def _per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_tp2_sequence_parallel_on_two_gpus_matches_one_gpu(tmp_path, model_type: str) -> None:
     from verl_mcore_utils.hf_testing import save_tiny_hf_model
 
-    extra = {"router_aux_loss_coef": 0.1} if model_type == "qwen3_moe" else {}
+    extra = {"router_aux_loss_coef": 0.1} if model_type != "qwen3" else {}
     model_dir = str(save_tiny_hf_model(model_type, tmp_path / "model", seed=3, **extra))
     batch = verl_batch(seed=6, prompt_lens=PROMPTS, response_lens=RESPONSES)
     one = [["trainer.n_gpus_per_node=1", *COMMON]]

@@ -259,3 +259,38 @@ def test_glm_mtp_layer_moves_its_expert_bias_and_equals_one_rank(tmp_path) -> No
                 worst = _worst(result[key], one[key])
                 assert worst < 1e-5, (layout, rank, key, worst)
             assert torch.equal(result["bias"][name], one["bias"][name]), (layout, rank)
+
+
+def test_glm_at_tp2_with_sequence_parallelism_equals_one_rank(glm_dir: str) -> None:
+    """TP 2 + SP (the block of dense and MoE layers gets the sequence-parallel final norm): experts at ETP 1
+    (grouped, whole experts per TP rank) and at ETP = TP (sequential, split): gradients and updated weights, TP
+    shards joined, 1e-5; the expert biases (moved from token counts summed over TP x the pool) bitwise. TP pads
+    the packed sequences: megatron-core < 0.16 refuses by name (no padding mask for the expert-bias counts)."""
+    from sp_workers import tp_joined
+    from test_rl_engine_moe_ep_cpu import _per_expert
+
+    tp2 = [f"{AM}.tensor_model_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"]
+    layouts = {
+        "tp2_etp1": [*tp2, f"{AM}.expert_tensor_parallel_size=1"],
+        "tp2_etp2": [*tp2, f"+{AM}.override_transformer_config.moe_grouped_gemm=false"],
+    }
+    if not _supports_two_ranks():
+        from rl_engine_workers import build_error
+
+        overrides = ["trainer.n_gpus_per_node=2", *layouts["tp2_etp2"]]  # ETP 1 is refused for 0.14 itself
+        for message in run_distributed(build_error, world_size=2, args=(glm_dir, overrides)):
+            assert "megatron-core >= 0.16" in message and "expert bias" in message, message
+        return
+    one = _steps(1, glm_dir, {"one": []})[0]["one"]
+    per_rank = _steps(2, glm_dir, layouts)
+    for name in layouts:
+        results = [ranks[name] for ranks in per_rank]
+        for result in results:
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
+            for bias_name, bias in result["bias"].items():
+                assert torch.equal(bias, one["bias"][bias_name]), (name, bias_name)
+        for key in ("grads", "params"):
+            got = _per_expert(tp_joined(results, key, model_type="glm4_moe"))
+            worst = _worst(got, _per_expert(one[key]))
+            print(f"\nGLM {name} {key}: worst rel. error {worst:.2e}")
+            assert worst < 1e-5, (name, key, worst)

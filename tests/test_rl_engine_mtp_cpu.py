@@ -241,3 +241,46 @@ def test_moe_mtp_matches_reference_and_is_independent_of_dp_cp_and_pp(tmp_path) 
     grads.pop("mtp_embedding.word_embeddings.weight")
     assert grads.keys() == ref["grads"].keys()
     assert max(rel_err(grads[n], ref["grads"][n]) for n in ref["grads"]) < 1e-5
+
+
+def test_a_checkpoint_with_mtp_layer_weights_skips_them_or_refuses(tmp_path) -> None:
+    """GLM-4.5 / DeepSeek-V3 checkpoints keep their MTP layer as ``model.layers.<num_hidden_layers>.*``
+    (transformers skips it). With MTP off the engine loads the rest and ignores them (same step as the checkpoint
+    without them; it refused the whole checkpoint as "unexpected tensors" before); with MTP on it refuses by name
+    rather than start the MTP layer from initialisation while the checkpoint has trained weights for it."""
+    from pathlib import Path
+
+    from rl_engine_workers import build_error
+    from safetensors.torch import load_file, save_file
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    path = Path(save_tiny_hf_model("glm4_moe", tmp_path / "glm", seed=3, num_nextn_predict_layers=1))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for file in path.iterdir():
+        (plain / file.name).write_bytes(file.read_bytes())
+    (weights,) = path.glob("*.safetensors")
+    tensors = load_file(weights)
+    hidden = tensors["model.norm.weight"].shape[0]
+    layers = sum(1 for n in tensors if n.endswith(".input_layernorm.weight"))
+    extra = {
+        f"model.layers.{layers}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+        f"model.layers.{layers}.enorm.weight": torch.ones(hidden),
+        f"model.layers.{layers}.shared_head.norm.weight": torch.ones(hidden),
+    }
+    save_file({**tensors, **extra}, str(weights), metadata={"format": "pt"})
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS[:4], response_lens=RESPONSES[:4])
+    off = {"off": [f"{A}.ppo_micro_batch_size_per_gpu=4"]}
+    (with_mtp,) = run_distributed(mtp_step_layouts, world_size=1, args=(str(path), _layouts(1, off), batch))[
+        0
+    ]
+    (without,) = run_distributed(mtp_step_layouts, world_size=1, args=(str(plain), _layouts(1, off), batch))[
+        0
+    ]
+    assert with_mtp["loss"] == without["loss"]
+    assert all(torch.equal(with_mtp["grads"][n], without["grads"][n]) for n in without["grads"])
+    (message,) = run_distributed(
+        build_error, world_size=1, args=(str(path), ["trainer.n_gpus_per_node=1", *MTP_ON])
+    )
+    assert f"model.layers.{layers}.eh_proj.weight" in message and "mtp.enable=false" in message, message

@@ -201,3 +201,27 @@ def test_replay_of_a_dense_model_is_refused(tmp_path) -> None:
     overrides = ["trainer.n_gpus_per_node=1", f"{AM}.router_replay.mode=R3"]
     (message,) = run_distributed(build_error, world_size=1, args=(dense, overrides))
     assert "router_replay.mode=R3" in message and "dense" in message, message
+
+
+def test_replay_with_the_expert_bias_and_group_limited_router(tmp_path, batch: dict) -> None:
+    """GLM-4.5 (DeepSeek-V3's sigmoid router, expert bias, group-limited top-k; a dense first layer): replaying the
+    routes just recorded changes nothing (log-probs, loss, gradients 1e-6); after the routers change, every router
+    uses exactly the recorded experts, weighted by the current sigmoid scores at them, renormalised (the bias and
+    the group limit steer only the choice, which is given)."""
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model
+
+    glm = str(save_tiny_hf_model("glm4_moe", tmp_path / "glm", seed=3, router_aux_loss_coef=0.1))
+    layout = {"one": [f"{A}.ppo_micro_batch_size_per_gpu=2"]}
+    same = _run(1, glm, layout, batch, 0.0)[0]["one"]
+    assert float((same["replayed"]["log_probs"] - same["recorded"]["log_probs"]).abs().max()) <= 1e-6
+    native, replay = same["native_train"], same["replay_train"]
+    assert abs(replay["loss"] - native["loss"]) <= 1e-6 * abs(native["loss"])
+    assert all(_rel(replay["grads"][n], native["grads"][n]) <= 1e-6 for n in native["grads"])
+    got = _run(1, glm, layout, batch, SCALE, probe=True)[0]["one"]
+    recorded = _packed(got["recorded"]["routed_experts"], batch)
+    moe_layers = recorded[:, -len(got["seen"]) :]  # the routes' layer dim may include the dense first layer
+    changed = int((_packed(got["native"]["routed_experts"], batch) != recorded).any(dim=-1).any(dim=-1).sum())
+    assert changed > 0, "the perturbation changed no route: the test would prove nothing"
+    assert torch.equal(_seen(got["seen"]), moe_layers)
+    assert torch.equal(_seen(got["seen_train"]), moe_layers)
+    assert all(p["per_token"] == 2 and p["prob_error"] <= 1e-6 for p in got["probe"]), got["probe"]

@@ -113,16 +113,6 @@ def router_replay_settings(config: Any, *, tf_config: Any, trains: bool) -> Repl
             c.moe_router_load_balancing_type in balancing,
             "only top-k routing is replayed",
         ),
-        "moe_router_group_topk": (
-            c.moe_router_group_topk,
-            not c.moe_router_group_topk,
-            "group-limited top-k is not replayed yet",
-        ),
-        "moe_router_enable_expert_bias": (
-            c.moe_router_enable_expert_bias,
-            not c.moe_router_enable_expert_bias,
-            "expert bias is not replayed yet",
-        ),
         "moe_router_score_function": (
             c.moe_router_score_function,
             c.moe_router_score_function in ("softmax", "sigmoid"),
@@ -197,27 +187,31 @@ def _topk_routing(logits: torch.Tensor, topk: int, *args: Any, **kwargs: Any) ->
 
 
 def _replayed_routing(
-    logits: torch.Tensor,
-    topk: int,
-    *,
-    state: _RouterState,
-    use_pre_softmax: bool = False,
-    scaling_factor: float | None = None,
-    score_function: str = "softmax",
-    **_: Any,
+    logits: torch.Tensor, topk: int, *, state: _RouterState, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """megatron-core's top-k routing with the recorded experts (score functions as its moe_utils)."""
+    """megatron-core's top-k routing with the recorded experts (score functions as its moe_utils).
+
+    Only the choice of experts is replayed: the weights are the current scores at those experts (softmax over
+    them, or sigmoid normalised over them), so the router keeps its gradient. What only steers the choice
+    (DeepSeek-V3 / GLM-4.5's expert bias and group limit) has nothing to do where the choice is given; tokens
+    without routes (``mask`` False) take megatron-core's own choice, with every routing setting.
+    """
     targets, mask = state.targets, state.mask
     if targets is None or mask is None or targets.shape != (logits.shape[0], topk):
         raise RuntimeError(
             f"router replay: layer {state.layer_number} routes {logits.shape[0]} tokens but was given targets of"
             f" shape {None if targets is None else tuple(targets.shape)}: the routes do not line up with the tokens"
         )
+    use_pre_softmax = kwargs.get("use_pre_softmax", False)
+    scaling_factor = kwargs.get("scaling_factor")
+    score_function = kwargs.get("score_function", "softmax")
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32) if use_pre_softmax else logits
     else:
         scores = torch.sigmoid(logits.float())
-    native = scores.detach().topk(topk, dim=1).indices
+    with torch.no_grad():  # computed for every token: testing the mask first would be a host sync
+        own_probs, own_map = _ORIGINAL["topk"](logits.detach(), topk, **kwargs)
+        native = own_probs.float().masked_fill(~own_map, float("-inf")).topk(topk, dim=1).indices
     indices = torch.where(mask[:, None], targets, native)
     picked = scores.gather(1, indices)
     if score_function == "softmax":

@@ -98,10 +98,8 @@ def build_gpt_model(
     if tf_config.sequence_parallel:
         if torch.device(device).type == "cpu":
             install_portable_sequence_parallel()  # megatron-core's SP collectives allocate on CUDA
-        if isinstance(
-            spec, ModuleSpec
-        ):  # the block's final norm: megatron-core's module-level torch norm otherwise
-            spec = block_spec_with_final_norm(tf_config, spec, vp_stage=vp_stage)
+        # the block's final norm: megatron-core's module-level torch norm otherwise
+        spec = block_spec_with_final_norm(tf_config, spec, vp_stage=vp_stage)
     with cpu_expert_bias(tf_config, device):
         model = _gpt_model(
             hf_config=hf_config,

@@ -43,15 +43,8 @@ def hf_get(hf_config: Mapping[str, Any] | Any, key: str, default: Any = None) ->
     return getattr(hf_config, key, default)
 
 
-def glm4_moe_fields(
-    hf_config: Mapping[str, Any] | Any, *, experts: int, tensor_model_parallel_size: int
-) -> dict[str, Any]:
+def glm4_moe_fields(hf_config: Mapping[str, Any] | Any, *, experts: int) -> dict[str, Any]:
     """The TransformerConfig MoE fields of a ``glm4_moe`` config; what megatron-core computes otherwise is refused."""
-    if tensor_model_parallel_size != 1:
-        raise ValueError(
-            f"tensor_model_parallel_size={tensor_model_parallel_size} with the mixture-of-experts model"
-            " 'glm4_moe' is not supported yet; use tensor_model_parallel_size=1"
-        )
     topk = int(hf_get(hf_config, "num_experts_per_tok"))
     norm = bool(hf_get(hf_config, "norm_topk_prob", True))
     if norm != (topk > 1):

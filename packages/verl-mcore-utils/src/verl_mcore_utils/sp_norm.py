@@ -79,10 +79,14 @@ def with_sequence_parallel_norms(spec: Any) -> Any:
 
 def block_spec_with_final_norm(tf_config: Any, layer_spec: Any, *, vp_stage: int | None) -> Any:
     """megatron-core's block of ``layer_spec`` layers whose final norm is :class:`SequenceParallelNorm`
-    (megatron-core picks its module-level norm, the torch one without Transformer Engine)."""
+    (megatron-core picks its module-level norm, the torch one without Transformer Engine). A block spec
+    (``TransformerBlockSubmodules``, e.g. GLM-4.5's dense and MoE layers) gets its final norm replaced."""
     from megatron.core.transformer.transformer_block import _get_block_submodules
 
-    block = _get_block_submodules(tf_config, layer_spec, vp_stage=vp_stage)
+    if hasattr(layer_spec, "layer_specs"):
+        block = layer_spec
+    else:
+        block = _get_block_submodules(tf_config, layer_spec, vp_stage=vp_stage)
     if _is_torch_norm(block.layer_norm):
         block = replace(block, layer_norm=SequenceParallelNorm)
     return block

@@ -93,11 +93,7 @@ def hf_to_transformer_config(
     if model_type == "glm4_moe":  # DeepSeek-V3's router and shared experts
         from verl_mcore_utils.moe_glm import glm4_moe_fields
 
-        moe = glm4_moe_fields(
-            hf_config,
-            experts=hf_num_experts(hf_config),
-            tensor_model_parallel_size=tensor_model_parallel_size,
-        )
+        moe = glm4_moe_fields(hf_config, experts=hf_num_experts(hf_config))
     dispatcher = "alltoall" if not moe or torch.cuda.is_available() else "allgather"
     kwargs: dict[str, Any] = {
         **_model_fields(hf_config, model_type),

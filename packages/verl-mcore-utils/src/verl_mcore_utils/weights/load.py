@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-from verl_mcore_utils.weights.chunks import local_megatron_params, model_parallel_groups, unwrap_model_chunks
+from verl_mcore_utils.weights.chunks import (
+    MTP_PREFIXES,
+    local_megatron_params,
+    model_parallel_groups,
+    unwrap_model_chunks,
+)
 from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.fused import hf_to_megatron, tp_shard
 from verl_mcore_utils.weights.names import HFDims, as_dims, few_names, hf_tensor_shapes
@@ -84,10 +89,35 @@ class _Source:
         return self._files[str(self._where[name])].get_tensor(name)
 
 
-def _check_source(src: _Source, dims: HFDims) -> None:
-    """Name set and shapes of the whole checkpoint against hf_config (same verdict on every rank)."""
+def mtp_tensor_prefixes(hf_config: Mapping[str, Any] | Any) -> tuple[str, ...]:
+    """Where a checkpoint keeps its multi-token-prediction layers: DeepSeek-V3 / GLM-4.5 as extra decoder layers
+    ``model.layers.<num_hidden_layers + k>.``, MiMo as ``model.mtp_layers.``. transformers skips them on load."""
+    from verl_mcore_utils.transformer_config import hf_get, hf_mtp_num_layers
+
+    layers = int(hf_get(hf_config, "num_hidden_layers"))
+    return (
+        *(f"model.layers.{layers + k}." for k in range(hf_mtp_num_layers(hf_config))),
+        "model.mtp_layers.",
+    )
+
+
+def _check_source(src: _Source, dims: HFDims, *, mtp_prefixes: tuple[str, ...], builds_mtp: bool) -> None:
+    """Name set and shapes of the whole checkpoint against hf_config (same verdict on every rank).
+
+    The checkpoint's MTP layers are not loaded: skipped as transformers does when the model has no MTP block,
+    refused when it has one (its layers would silently start from initialisation instead of the checkpoint).
+    """
     expected = hf_tensor_shapes(hf_config=dims)
     names = {n for n in src.names() if not n.endswith(_IGNORED_SUFFIXES)}
+    mtp = sorted(n for n in names if n.startswith(mtp_prefixes))
+    if mtp and builds_mtp:
+        raise NotImplementedError(
+            f"the checkpoint holds multi-token-prediction layer weights ({few_names(mtp)}); loading them into"
+            " the model's MTP layers is not supported yet, and they would start from initialisation instead:"
+            " set actor_rollout_ref.model.mtp.enable=false (the checkpoint's MTP tensors are then skipped, as"
+            " transformers does)"
+        )
+    names -= set(mtp)
     if dims.tie_word_embeddings:
         names.discard("lm_head.weight")  # some tied checkpoints store the (identical) head anyway
     missing = sorted(set(expected) - names)
@@ -124,7 +154,8 @@ def load_hf_weights(
     kept). If megatron padded the vocabulary (vocab rows x TP > vocab_size), the padding rows are zeros.
     A value head (critic / reward model, :class:`~verl_mcore_utils.module.ValueHead` in place of the output
     layer) has no counterpart in a causal-LM checkpoint: it keeps its own initialisation, the backbone is
-    loaded, and the checkpoint's ``lm_head.weight`` is read by no parameter.
+    loaded, and the checkpoint's ``lm_head.weight`` is read by no parameter. A checkpoint's multi-token-prediction
+    layers (:func:`mtp_tensor_prefixes`) are skipped when the model has no MTP block and refused when it has one.
 
     With a distributed optimizer, reload its fp32 main copies from the model afterwards.
     """
@@ -143,7 +174,8 @@ def load_hf_weights(
     local = {k: v for k, v in local_megatron_params(chunks, dims).items() if id(v[1]) not in heads}
     with contextlib.ExitStack() as stack:
         src = _Source(source, stack)
-        _check_source(src, dims)
+        builds_mtp = any(n.startswith(MTP_PREFIXES) for c in chunks for n, _ in c.named_parameters())
+        _check_source(src, dims, mtp_prefixes=mtp_tensor_prefixes(hf_config), builds_mtp=builds_mtp)
         for meg_name, (mapping, param) in local.items():
             groups = experts.for_param(meg_name, all_groups)  # experts: split over ETP
             full = hf_to_megatron(mapping, [src.get(n) for n in mapping.hf_names], hf_config=dims)
