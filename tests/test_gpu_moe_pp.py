@@ -113,9 +113,24 @@ def test_moe_at_pp2_and_vpp2_on_two_gpus_matches_one_gpu(tmp_path) -> None:
 @pytest.mark.num_gpus(4)
 def test_moe_at_pp2_dp2_and_ep2_pp2_on_four_gpus_matches_one_gpu(tmp_path) -> None:
     """PP 2 x DP 2 and EP 2 x PP 2 (all-to-all dispatcher between the 2 ranks of each stage's EP group, experts
-    reduced over the expert-DP group) on 4 GPUs, fp32: gradients and updated weights within 1e-4 of one GPU."""
+    reduced over the expert-DP group) on 4 GPUs, fp32: gradients and updated weights within 1e-4 of one GPU.
+    ETP 2 x PP 2 (sequential experts split over each stage's 2 ranks; megatron-core >= 0.19): the same, ETP
+    slices joined."""
+    from test_rl_engine_moe_ep_cpu import _mcore_minor, _per_expert
+    from test_rl_engine_moe_pp_cpu import ETP2, etp_joined
+
     model_dir = _model(tmp_path)
     ref = _steps(1, model_dir, {"mb4": [*FP32, _micro(4)]})["mb4"][0]
-    four = _steps(4, model_dir, {"pp2_dp2": [*FP32, _micro(2), PP2], "pp2_ep2": [*FP32, _micro(2), PP2, EP2]})
+    layouts = {"pp2_dp2": [*FP32, _micro(2), PP2], "pp2_ep2": [*FP32, _micro(2), PP2, EP2]}
+    if _mcore_minor() >= (0, 19):
+        layouts["pp2_etp2"] = [*FP32, _micro(2), PP2, *ETP2]
+    four = _steps(4, model_dir, layouts)
     for name, results in four.items():
-        _check(results, ref, name)
+        if name != "pp2_etp2":
+            _check(results, ref, name)
+            continue
+        for key in ("grads", "params"):
+            got, want = etp_joined(results, key), _per_expert(ref[key])
+            assert got.keys() == want.keys(), (key, sorted(set(got) ^ set(want)))
+            worst = max(rel(got[n], want[n]) for n in want)
+            assert worst < 1e-4, (name, key, worst)

@@ -80,6 +80,30 @@ def joined(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return out
 
 
+ETP2 = [f"{AM}.expert_tensor_parallel_size=2", f"+{AM}.override_transformer_config.moe_grouped_gemm=false"]
+
+
+def etp_joined(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Every rank's tensors by global name at ETP 2 with PP outermost (ETP rank = rank % 2): expert slices joined
+    in megatron-core's layout (gated fc1 per half), everything else as :func:`joined`."""
+    import re
+
+    from verl_mcore_utils.hf_testing import tiny_hf_config
+    from verl_mcore_utils.weights.fused import tp_unshard
+    from verl_mcore_utils.weights.names import param_mappings
+
+    mappings = {m.megatron_name: m for m in param_mappings(hf_config=tiny_hf_config("qwen3_moe"))}
+    experts = [{n: v for n, v in r[key].items() if ".local_experts." in n} for r in results]
+    out = joined(
+        [{key: {n: v for n, v in r[key].items() if ".local_experts." not in n}} for r in results], key
+    )
+    for rank in range(0, len(results), 2):
+        for name in experts[rank]:
+            mapping = mappings[re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.0.", name)]
+            out[name] = tp_unshard([experts[rank][name], experts[rank + 1][name]], mapping)
+    return out
+
+
 def same_step(results: list[dict], one: dict, what: str) -> dict[str, float]:
     """Assert ``results`` (all ranks of one layout) equal the one-rank step; the worst errors."""
     errors = {}
@@ -195,42 +219,31 @@ def test_router_replay_at_pp2_ep2_and_ep2_pp2_equals_one_rank(moe_dir: str) -> N
                 assert worst < 1e-5, (name, key, worst)
 
 
-def test_expert_tensor_parallelism_with_pipeline_stages_equals_one_rank(moe_dir: str, one_rank: dict) -> None:
+def test_expert_tensor_parallelism_with_pipeline_stages_equals_one_rank(
+    monkeypatch, moe_dir: str, one_rank: dict
+) -> None:
     """PP 2 x ETP 2 on 4 ranks (sequential experts: each stage's experts split over the stage's 2 ranks, gated fc1
     in megatron-core's ``[gate shard; up shard]`` layout): gradients and updated weights, ETP slices joined, equal
-    one rank, 1e-5. megatron-core < 0.19 refuses ETP other than TP by name (tests/test_rl_engine_moe_ep_cpu.py)."""
-    import re
-
-    from test_rl_engine_moe_ep_cpu import _mcore_minor, _per_expert
-
-    from verl_mcore_utils.hf_testing import tiny_hf_config
-    from verl_mcore_utils.weights.fused import tp_unshard
-    from verl_mcore_utils.weights.names import param_mappings
+    one rank, 1e-5. megatron-core < 0.19 refuses ETP other than TP by name, before any model is built."""
+    from test_rl_engine_moe_ep_cpu import _engine_section, _mcore_minor, _per_expert
 
     if _mcore_minor() < (0, 19):
+        from verl_engine.expert_parallel import check_expert_parallel
+
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        section = _engine_section(
+            expert_model_parallel_size=1, expert_tensor_parallel_size=2, pipeline_model_parallel_size=2
+        )
+        config = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 48}
+        with pytest.raises(
+            NotImplementedError, match="expert_tensor_parallel_size=2 .* megatron-core >= 0.19"
+        ):
+            check_expert_parallel(section, hf=config, model_name="tiny")
         return
-    etp2 = [
-        f"{AM}.expert_tensor_parallel_size=2",
-        f"+{AM}.override_transformer_config.moe_grouped_gemm=false",
-    ]
-    per_rank = steps(4, moe_dir, {"pp2_etp2": [PP2, *etp2]}, pool=2)
+    per_rank = steps(4, moe_dir, {"pp2_etp2": [PP2, *ETP2]}, pool=2)
     results = [ranks["pp2_etp2"] for ranks in per_rank]
-    mappings = {m.megatron_name: m for m in param_mappings(hf_config=tiny_hf_config("qwen3_moe"))}
     for key in ("grads", "params"):
-        got: dict[str, torch.Tensor] = {}
-        slices: dict[str, list] = {}
-        for rank, result in enumerate(results):  # PP outermost: ranks 0-1 stage 0; ETP rank = rank % 2
-            for name, value in result[key].items():
-                if ".local_experts." in name:
-                    slices.setdefault(name, [None, None])[rank % 2] = value
-                elif name in got:
-                    assert torch.equal(got[name], value), (key, name, rank)
-                got.setdefault(name, value)
-        for name, parts in slices.items():
-            got[name] = tp_unshard(
-                parts, mappings[re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.0.", name)]
-            )
-        want = _per_expert(one_rank["one"][key])
+        got, want = etp_joined(results, key), _per_expert(one_rank["one"][key])
         assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
         worst = max(rel(got[n], want[n]) for n in want)
         print(f"pp2_etp2 {key}: worst rel. error {worst:.1e}")
