@@ -15,6 +15,9 @@ bias (a buffer) and restores it.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import pytest
 import torch
 from rl_engine_workers import verl_batch
@@ -65,6 +68,30 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(_rel(a[n], b[n]) for n in b)
 
 
+def _equal_to_one_rank(one: dict, per_rank: list[dict[str, dict]], join: Any = None) -> None:
+    """Per layout: every rank's loss, grad norm and expert biases (bitwise) against the one-rank step ``one``;
+    gradients and updated weights within 1e-5: each rank's own (``join`` None: DP / CP replicas), or all ranks'
+    joined by ``join(results, key)`` (EP ranks' experts, TP shards), experts compared per global expert."""
+    from test_rl_engine_moe_ep_cpu import _per_expert
+
+    for name in per_rank[0]:
+        results = [ranks[name] for ranks in per_rank]
+        for rank, result in enumerate(results):
+            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, (name, rank)
+            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
+                name,
+                rank,
+            )
+            for bias_name, bias in result["bias"].items():
+                assert torch.equal(bias, one["bias"][bias_name]), (name, rank, bias_name)
+        for key in ("grads", "params"):
+            joined = [r[key] for r in results] if join is None else [join(results, key)]
+            for got in joined:
+                worst = _worst(_per_expert(got), _per_expert(one[key]))
+                print(f"\n{name} {key}: worst rel. error {worst:.2e}")
+                assert worst < 1e-5, (name, key, worst)
+
+
 def _padding_mask_supported() -> bool:
     from verl_engine.moe import padding_mask_supported
 
@@ -101,18 +128,7 @@ def test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank(glm_dir: str) -> Non
             assert "megatron-core >= 0.16" in message and "expert bias" in message, message
         return
     one = _steps(1, glm_dir, {"one": []})[0]["one"]
-    for rank, got in enumerate(_steps(2, glm_dir, TWO_RANK_LAYOUTS)):
-        for name, result in got.items():
-            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, (name, rank)
-            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
-                name
-            )
-            for key in ("grads", "params"):
-                worst = _worst(result[key], one[key])
-                print(f"\n{name} rank {rank} {key}: worst rel. error {worst:.2e}")
-                assert worst < 1e-5, (name, rank, key, worst)
-            for bias_name, bias in result["bias"].items():
-                assert torch.equal(bias, one["bias"][bias_name]), (name, rank, bias_name)
+    _equal_to_one_rank(one, _steps(2, glm_dir, TWO_RANK_LAYOUTS))
 
 
 def _supports_two_ranks() -> bool:
@@ -140,24 +156,9 @@ def test_expert_parallel_step_equals_one_rank(glm_dir: str) -> None:
     """EP 2 (grouped experts, 4 per rank) at DP 2, static CP 2 and dynamic CP: the step of one rank at EP 1."""
     if not _supports_two_ranks():
         return  # refused as in test_ppo_step_at_dp2_cp2_and_dynamic_cp_equals_one_rank
-    from test_rl_engine_moe_ep_cpu import _per_expert
-
     layouts = {name: [EP2, *overrides] for name, overrides in TWO_RANK_LAYOUTS.items()}
     one = _steps(1, glm_dir, {"one": []})[0]["one"]
-    per_rank = _steps(2, glm_dir, layouts)
-    for name in layouts:
-        results = [ranks[name] for ranks in per_rank]
-        for result in results:
-            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
-            assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5), (
-                name
-            )
-            for bias_name, bias in result["bias"].items():
-                assert torch.equal(bias, one["bias"][bias_name]), (name, bias_name)
-        for key in ("grads", "params"):
-            worst = _worst(_gathered_ep2(results, key), _per_expert(one[key]))
-            print(f"\nEP 2 {name} {key}: worst rel. error {worst:.2e}")
-            assert worst < 1e-5, (name, key, worst)
+    _equal_to_one_rank(one, _steps(2, glm_dir, layouts), join=_gathered_ep2)
 
 
 def test_export_at_ep2_is_the_checkpoint_bitwise(glm_dir: str) -> None:
@@ -253,12 +254,7 @@ def test_glm_mtp_layer_moves_its_expert_bias_and_equals_one_rank(tmp_path) -> No
     assert any(n.startswith("mtp.") and ".shared_experts." in n for n in one["grads"])
     if not _supports_two_ranks():
         return  # two ranks are refused by name on megatron-core < 0.16 (the test above)
-    for rank, got in enumerate(_steps(2, path, layouts)):
-        for layout, result in got.items():
-            for key in ("grads", "params"):
-                worst = _worst(result[key], one[key])
-                assert worst < 1e-5, (layout, rank, key, worst)
-            assert torch.equal(result["bias"][name], one["bias"][name]), (layout, rank)
+    _equal_to_one_rank(one, _steps(2, path, layouts))
 
 
 def test_glm_at_tp2_with_sequence_parallelism_equals_one_rank(glm_dir: str) -> None:
@@ -267,7 +263,6 @@ def test_glm_at_tp2_with_sequence_parallelism_equals_one_rank(glm_dir: str) -> N
     shards joined, 1e-5; the expert biases (moved from token counts summed over TP x the pool) bitwise. TP pads
     the packed sequences: megatron-core < 0.16 refuses by name (no padding mask for the expert-bias counts)."""
     from sp_workers import tp_joined
-    from test_rl_engine_moe_ep_cpu import _per_expert
 
     tp2 = [f"{AM}.tensor_model_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"]
     layouts = {
@@ -282,15 +277,4 @@ def test_glm_at_tp2_with_sequence_parallelism_equals_one_rank(glm_dir: str) -> N
             assert "megatron-core >= 0.16" in message and "expert bias" in message, message
         return
     one = _steps(1, glm_dir, {"one": []})[0]["one"]
-    per_rank = _steps(2, glm_dir, layouts)
-    for name in layouts:
-        results = [ranks[name] for ranks in per_rank]
-        for result in results:
-            assert abs(result["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]) + 1e-7, name
-            for bias_name, bias in result["bias"].items():
-                assert torch.equal(bias, one["bias"][bias_name]), (name, bias_name)
-        for key in ("grads", "params"):
-            got = _per_expert(tp_joined(results, key, model_type="glm4_moe"))
-            worst = _worst(got, _per_expert(one[key]))
-            print(f"\nGLM {name} {key}: worst rel. error {worst:.2e}")
-            assert worst < 1e-5, (name, key, worst)
+    _equal_to_one_rank(one, _steps(2, glm_dir, layouts), join=partial(tp_joined, model_type="glm4_moe"))

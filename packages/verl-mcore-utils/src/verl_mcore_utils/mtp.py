@@ -86,62 +86,61 @@ def _initialise(block: torch.nn.Module, *, std: float) -> None:
     """
     from megatron.core import parallel_state
 
+    from verl_mcore_utils.weights.experts import expert_groups
+
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    experts = expert_groups()
+    glu = block.config.gated_linear_unit
     seed = torch.initial_seed()
     generator = torch.Generator().manual_seed(seed)
+
+    def draw(shape: list[int]) -> torch.Tensor:  # the shared generator, in name order
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
     for name, param in sorted(block.named_parameters()):
         if param.ndim == 1:
             param.fill_(0.0 if name.endswith("bias") else 1.0)
             continue
         if ".experts." in name:
-            _init_expert(name, param, std=std, seed=seed, config=block.config)
+            _init_expert(name, param, std=std, seed=seed, experts=experts, config=block.config)
             continue
-        shape = list(param.shape)
-        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-        if sharded:
-            shape[param.partition_dim] *= tp_size
-        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-        if sharded:
-            full = _slice(
-                full, param, name=name, glu=block.config.gated_linear_unit, rank=tp_rank, size=tp_size
-            )
-        param.copy_(full)
+        param.copy_(_whole_then_slice(param, name=name, glu=glu, rank=tp_rank, size=tp_size, draw=draw))
 
 
-def _init_expert(name: str, param: torch.nn.Parameter, *, std: float, seed: int, config: Any) -> None:
+def _init_expert(
+    name: str, param: torch.nn.Parameter, *, std: float, seed: int, experts: Any, config: Any
+) -> None:
     """One expert parameter of this rank, cut from the whole tensor of its global expert(s).
 
-    SequentialMLP: ``...local_experts.<i>....`` is global expert ``ep_rank x local + i``, split over ETP along
-    its ``partition_dim``. Grouped experts (``...experts.linear_fc<n>_weight``, [local experts, ...]): row ``i``
-    is that global expert's whole matrix. Each global expert's matrix is drawn by its SequentialMLP name, so
-    grouped and sequential experts, EP and ETP all start from the same weights.
+    SequentialMLP (``...local_experts.<i>....``): its global expert (``experts``: this rank's
+    :class:`~verl_mcore_utils.weights.experts.ExpertGroups`), split over ETP along its ``partition_dim``. Grouped
+    experts (``...experts.linear_fc<n>_weight``, [local experts, ...]): row ``i`` is that global expert's whole
+    matrix. Each global expert's matrix is drawn by its SequentialMLP name, so grouped and sequential experts, EP
+    and ETP all start from the same weights.
     """
     import re
 
-    from megatron.core import parallel_state
+    from verl_mcore_utils.weights.experts import expert_index
 
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-    sequential = re.match(r"^(.*\.local_experts\.)(\d+)(\..+)$", name)
-    if sequential is not None:
-        global_name = f"{sequential[1]}{ep_rank * local + int(sequential[2])}{sequential[3]}"
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-        shape = list(param.shape)
-        sharded = bool(getattr(param, "tensor_model_parallel", False)) and etp > 1
-        if sharded:
-            shape[param.partition_dim] *= etp
-        full = _draw(global_name, shape, std=std, seed=seed)
-        if sharded:
-            rank = parallel_state.get_expert_tensor_parallel_rank()
-            full = _slice(full, param, name=name, glu=config.gated_linear_unit, rank=rank, size=etp)
+    if expert_index(name) is not None:
+        global_name = experts.global_name(name, num_experts=config.num_moe_experts)
+        full = _whole_then_slice(
+            param,
+            name=name,
+            glu=config.gated_linear_unit,
+            rank=experts.tp_rank,
+            size=experts.tp_size,
+            draw=lambda shape: _draw(global_name, shape, std=std, seed=seed),
+        )
         param.copy_(full)
         return
     grouped = re.match(r"^(.*\.experts\.)linear_fc([12])_weight$", name)
     if grouped is None:
         raise ValueError(f"MTP initialisation: unknown expert parameter {name!r}")
+    local = config.num_moe_experts // experts.size
     for i in range(param.shape[0]):
-        global_name = f"{grouped[1]}local_experts.{ep_rank * local + i}.linear_fc{grouped[2]}.weight"
+        global_name = f"{grouped[1]}local_experts.{experts.rank * local + i}.linear_fc{grouped[2]}.weight"
         param[i].copy_(_draw(global_name, list(param.shape[1:]), std=std, seed=seed))
 
 
@@ -153,14 +152,19 @@ def _draw(name: str, shape: list[int], *, std: float, seed: int) -> torch.Tensor
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
-def _slice(
-    full: torch.Tensor, param: torch.nn.Parameter, *, name: str, glu: bool, rank: int, size: int
+def _whole_then_slice(
+    param: torch.nn.Parameter, *, name: str, glu: bool, rank: int, size: int, draw: Any
 ) -> torch.Tensor:
-    """This rank's slice of a whole tensor, in megatron-core's layout: a gated fc1 holds ``[gate; up]`` shards."""
+    """``draw(shape)`` of ``param``'s whole tensor (its split dim x ``size`` when it is tensor-parallel) and this
+    rank's slice of it in megatron-core's layout (a gated fc1 holds ``[gate shard; up shard]``)."""
     from verl_mcore_utils.weights.fused import tp_slice
 
+    shape = list(param.shape)
+    if not (getattr(param, "tensor_model_parallel", False) and size > 1):
+        return draw(shape)
+    shape[param.partition_dim] *= size
     gate_up = glu and name.endswith("linear_fc1.weight")
-    return tp_slice(full, dim=param.partition_dim, gate_up=gate_up, rank=rank, size=size)
+    return tp_slice(draw(shape), dim=param.partition_dim, gate_up=gate_up, rank=rank, size=size)
 
 
 def mtp_layer_forward(

@@ -90,15 +90,16 @@ class _Source:
 
 
 def mtp_tensor_prefixes(hf_config: Mapping[str, Any] | Any) -> tuple[str, ...]:
-    """Where a checkpoint keeps its multi-token-prediction layers: DeepSeek-V3 / GLM-4.5 as extra decoder layers
-    ``model.layers.<num_hidden_layers + k>.``, MiMo as ``model.mtp_layers.``. transformers skips them on load."""
+    """Where a checkpoint keeps the multi-token-prediction layers its config declares (none: no prefix, so such
+    tensors stay unexpected): DeepSeek-V3 / GLM-4.5 as extra decoder layers ``model.layers.<num_hidden_layers +
+    k>.``, MiMo as ``model.mtp_layers.``. transformers skips them on load."""
     from verl_mcore_utils.transformer_config import hf_get, hf_mtp_num_layers
 
+    mtp = hf_mtp_num_layers(hf_config)
+    if not mtp:
+        return ()
     layers = int(hf_get(hf_config, "num_hidden_layers"))
-    return (
-        *(f"model.layers.{layers + k}." for k in range(hf_mtp_num_layers(hf_config))),
-        "model.mtp_layers.",
-    )
+    return (*(f"model.layers.{layers + k}." for k in range(mtp)), "model.mtp_layers.")
 
 
 def _check_source(src: _Source, dims: HFDims, *, mtp_prefixes: tuple[str, ...], builds_mtp: bool) -> None:
