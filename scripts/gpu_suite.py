@@ -116,9 +116,9 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_moe_glm.py",
             "tests/test_gpu_moe_pp.py",
         ),
-        350,  # 280 s at cc6004f (2 x H200); the MTP case of test_gpu_moe.py joined after
+        340,
     ),
-    Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 170),  # 68 s to its failure at cc6004f; GLM case added
+    Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 140),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",
@@ -131,7 +131,7 @@ CHUNKS: tuple[Chunk, ...] = (
         200,
     ),
     Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 210),
-    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 230),
+    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 140),
 )
 _GPU_MARK = re.compile(r"pytest\.mark\.(gpu|num_gpus)\b")
 
