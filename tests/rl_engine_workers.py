@@ -330,6 +330,29 @@ def mtp_step_layouts(
     return out
 
 
+def mtp_step_and_export(
+    rank: int, world_size: int, model_dir: str, layouts: list[list[str]], batch: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Per layout: the MTP metrics of one forward_backward_batch (before any update), then every tensor the
+    engine exports (``get_per_tensor_param``), on every rank."""
+    from functools import partial
+
+    from verl_engine.losses import ppo_loss
+
+    out = []
+    for overrides in layouts:
+        engine, cfg = _engine(overrides, "actor", model_dir, "cpu")
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            result = engine.forward_backward_batch(
+                {**batch, "calculate_entropy": True}, partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+            )
+        pairs, _ = engine.get_per_tensor_param()
+        exported = {name: tensor.detach().float().clone() for name, tensor in pairs}
+        out.append({"metrics": result["metrics"], "exported": exported})
+    return out
+
+
 def _global_name(gpt: Any, name: str) -> str:
     """``decoder.layers.<i>`` of a pipeline stage renamed with the layer's global number."""
     import re

@@ -25,7 +25,7 @@ import re
 
 import pytest
 import torch
-from rl_engine_workers import BASE, MTP_ON, mtp_step_layouts, mtp_two_steps, verl_batch
+from rl_engine_workers import BASE, MTP_ON, mtp_step_and_export, mtp_step_layouts, mtp_two_steps, verl_batch
 
 from verl_mcore_utils.testing import DistributedRunError, run_distributed
 
@@ -243,11 +243,140 @@ def test_moe_mtp_matches_reference_and_is_independent_of_dp_cp_and_pp(tmp_path) 
     assert max(rel_err(grads[n], ref["grads"][n]) for n in ref["grads"]) < 1e-5
 
 
-def test_a_checkpoint_with_mtp_layer_weights_skips_them_or_refuses(tmp_path) -> None:
-    """GLM-4.5 / DeepSeek-V3 checkpoints keep their MTP layer as ``model.layers.<num_hidden_layers>.*``
-    (transformers skips it). With MTP off the engine loads the rest and ignores them (same step as the checkpoint
-    without them; it refused the whole checkpoint as "unexpected tensors" before); with MTP on it refuses by name
-    rather than start the MTP layer from initialisation while the checkpoint has trained weights for it."""
+def _glm_checkpoint_with_mtp_layer(root) -> tuple[str, torch.nn.Module, dict[str, torch.Tensor], int]:
+    """A tiny GLM-4.5 checkpoint laid out as the published ones: ``num_hidden_layers`` = L decoder layers and, as
+    ``model.layers.<L>.*``, one MTP layer (its decoder layer, enorm, hnorm, eh_proj, shared_head.norm, and copies
+    of the embedding and head it shares). The MTP layer's decoder layer is layer L of a transformers model with
+    L + 1 layers (written by transformers, so in the checkpoint's own format); returns that model (the
+    reference's modules), the MTP layer's own tensors and L."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from verl_mcore_utils.hf_testing import save_tiny_hf_model, tiny_hf_config
+
+    layers = tiny_hf_config("glm4_moe").num_hidden_layers
+    big_dir = save_tiny_hf_model("glm4_moe", root / "big", seed=3, num_hidden_layers=layers + 1)
+    big = transformers.AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32).eval()
+    path = save_tiny_hf_model("glm4_moe", root / "glm", seed=3, num_nextn_predict_layers=1)
+    (weights,) = path.glob("*.safetensors")
+    (big_weights,) = big_dir.glob("*.safetensors")
+    tensors = load_file(big_weights)  # layers 0..L-1: the model; layer L: the MTP layer's decoder layer
+    hidden = tensors["model.norm.weight"].shape[0]
+    g = torch.Generator().manual_seed(11)
+    own = {
+        f"model.layers.{layers}.{name}": 1.0 + 0.1 * torch.randn(hidden, generator=g)
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+    }
+    own[f"model.layers.{layers}.eh_proj.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=g)
+    shared = {
+        f"model.layers.{layers}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        f"model.layers.{layers}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+    }
+    save_file({**tensors, **own, **shared}, str(weights), metadata={"format": "pt"})
+    return str(path), big, own, layers
+
+
+@torch.no_grad()
+def _transformers_mtp_loss(big: torch.nn.Module, own: dict[str, torch.Tensor], layers: int, batch) -> float:
+    """Depth-1 MTP loss from transformers' modules, as DeepSeek-V3 / GLM-4.5 define the layer: h = the model's
+    final hidden state (after its norm) at position c, e = embedding of token c + 1,
+    ``shared_head.norm(layer(eh_proj([enorm(e); hnorm(h)])))`` at RoPE position c, then the shared head predicts
+    token c + 2; mean cross-entropy over the targets that are response tokens (float64 log-softmax)."""
+    model = big.model
+    eps = big.config.rms_norm_eps
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        weight = own[f"model.layers.{layers}.{name}.weight"]
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def run(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        position = torch.arange(s)[None]
+        causal = torch.full((1, 1, s, s), float("-inf")).triu(1)
+        out = layer(
+            x, attention_mask=causal, position_ids=position, position_embeddings=model.rotary_emb(x, position)
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    first_response_col = ids.shape[1] - batch["response_mask"].shape[1]
+    total, count = 0.0, 0
+    for i in range(ids.shape[0]):
+        cols = torch.nonzero(mask[i]).flatten()
+        seq, is_response = ids[i, cols], cols >= first_response_col
+        n = seq.shape[0]
+        x = model.embed_tokens(seq[None])
+        for layer in model.layers[:layers]:
+            x = run(layer, x)
+        h = model.norm(x)[:, : n - 1]
+        e = model.embed_tokens(seq[None, 1:])
+        y = (
+            torch.cat([norm(e, "enorm"), norm(h, "hnorm")], -1)
+            @ own[f"model.layers.{layers}.eh_proj.weight"].T
+        )
+        y = norm(run(model.layers[layers], y), "shared_head.norm")
+        logp = torch.log_softmax(big.lm_head(y)[0].double(), dim=-1)
+        for c in range(n - 2):
+            if is_response[c + 2]:
+                total -= float(logp[c, seq[c + 2]])
+                count += 1
+    return total / count
+
+
+def test_glm_checkpoint_mtp_layer_loads_equals_transformers_and_exports(tmp_path) -> None:
+    """GLM-4.5 / DeepSeek-V3 checkpoints keep their trained MTP layer as ``model.layers.<num_hidden_layers>.*``.
+    With MTP on, the engine loads it into megatron-core's MTP layer (enorm, hnorm, eh_proj, the MoE decoder layer
+    with its expert bias and shared experts, shared_head.norm as its final norm): the depth-1 MTP loss equals
+    the one computed from transformers' modules, 1e-5 (fp32; megatron's and transformers' attention and MoE
+    sum in different orders). Export gives back the checkpoint's MTP tensors bitwise (not the shared embedding /
+    head copies). At EP 2 (the layer's experts split) and DP 2 the loss equals one rank's and the export is the
+    same. (TP > 1 with MoE needs sequence parallelism, which MTP layers do not support without Transformer
+    Engine: refused at build.)"""
+    model_dir, big, own, layers = _glm_checkpoint_with_mtp_layer(tmp_path)
+    batch = verl_batch(seed=8, prompt_lens=PROMPTS[:4], response_lens=RESPONSES[:4])
+    reference = _transformers_mtp_loss(big, own, layers, batch)
+    on = [*MTP_ON, f"{A}.ppo_micro_batch_size_per_gpu=4"]
+    (one,) = run_distributed(
+        mtp_step_and_export, world_size=1, args=(model_dir, _layouts(1, {"on": on}), batch)
+    )[0]
+    got = one["metrics"]["mtp_losses/mtp_1_loss"]
+    assert abs(got - reference) <= 1e-5 * reference, (got, reference)
+    from safetensors.torch import load_file
+
+    (weights,) = __import__("pathlib").Path(model_dir).glob("*.safetensors")
+    checkpoint = load_file(weights)
+    mtp_names = sorted(n for n in one["exported"] if n.startswith(f"model.layers.{layers}."))
+    expected = sorted(
+        n
+        for n in checkpoint
+        if n.startswith(f"model.layers.{layers}.") and not n.endswith(("embed_tokens.weight", "head.weight"))
+    )
+    assert mtp_names == expected and len(expected) > 10, mtp_names
+    assert all(torch.equal(one["exported"][n], checkpoint[n]) for n in expected)
+    assert set(one["exported"]) == set(checkpoint) - {
+        f"model.layers.{layers}.embed_tokens.weight",
+        f"model.layers.{layers}.shared_head.head.weight",
+    }
+    two = {"ep2": [*MTP_ON, f"{AM}.expert_model_parallel_size=2"], "dp2": [*MTP_ON]}
+    try:
+        ranks = run_distributed(mtp_step_and_export, world_size=2, args=(model_dir, _layouts(2, two), batch))
+    except DistributedRunError as error:  # megatron-core < 0.16: an MoE MTP layer on two ranks is refused
+        from verl_engine.moe import padding_mask_supported
+
+        assert not padding_mask_supported() and "megatron-core >= 0.16" in str(error), error
+        return
+    for rank_results in ranks:
+        for name, result in zip(two, rank_results, strict=True):
+            value = result["metrics"]["mtp_losses/mtp_1_loss"]
+            assert abs(value - got) <= 1e-5 * got, (name, value, got)
+            assert result["exported"].keys() == one["exported"].keys(), name
+            assert all(torch.equal(result["exported"][n], one["exported"][n]) for n in expected), name
+
+
+def test_a_checkpoint_with_mtp_layer_weights_skips_them_or_names_what_is_missing(tmp_path) -> None:
+    """With MTP off the engine loads the rest of a GLM-4.5 checkpoint and skips its MTP layer (same step as the
+    checkpoint without it; transformers skips it too). With MTP on, a checkpoint whose MTP layer is incomplete is
+    refused with the missing tensors named, rather than load part of the layer and initialise the rest."""
     from pathlib import Path
 
     from rl_engine_workers import build_error
@@ -283,4 +412,4 @@ def test_a_checkpoint_with_mtp_layer_weights_skips_them_or_refuses(tmp_path) -> 
     (message,) = run_distributed(
         build_error, world_size=1, args=(str(path), ["trainer.n_gpus_per_node=1", *MTP_ON])
     )
-    assert f"model.layers.{layers}.eh_proj.weight" in message and "mtp.enable=false" in message, message
+    assert "missing tensors" in message and f"model.layers.{layers}.hnorm.weight" in message, message

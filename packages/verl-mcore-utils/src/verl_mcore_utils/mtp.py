@@ -54,9 +54,14 @@ def build_mtp_block(
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1 for an MTP block, got {num_layers}")
     if tf_config.sequence_parallel:  # its norms are megatron-core's torch norms, which assert SP off
+        moe = (
+            "; an MoE model needs sequence parallelism at TP > 1, so set tensor_model_parallel_size=1 too"
+            if tf_config.num_moe_experts
+            else ""
+        )
         raise NotImplementedError(
             "multi-token prediction with sequence_parallel=True is not supported without Transformer Engine;"
-            " set megatron.sequence_parallel=false or mtp.enable=false"
+            f" set megatron.sequence_parallel=false or mtp.enable=false{moe}"
         )
     config = dataclasses.replace(tf_config, mtp_num_layers=num_layers)
     spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)

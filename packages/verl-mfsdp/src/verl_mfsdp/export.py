@@ -133,7 +133,7 @@ def export_megatron_fsdp_hf_weights(
     # Every chunk, not just the first: a stale later chunk would be exported silently otherwise.
     synchronize_megatron_fsdp_params(chunks)
     local = weights.local_megatron_params(weights.unwrap_model_chunks(chunks), dims)
-    mappings = weights.param_mappings(hf_config=dims)
+    mappings = weights.param_mappings(hf_config=dims, mtp=any(name.startswith("mtp.") for name in local))
     absent = [m.megatron_name for m in mappings if m.megatron_name not in local]
     if absent:
         shown = ", ".join(absent[:12]) + (f" ... ({len(absent)} in all)" if len(absent) > 12 else "")

@@ -23,6 +23,7 @@ from verl_mcore_utils.weights.names import (
     ParamMapping,
     hf_tensor_shapes,
     layer_param_mappings,
+    mtp_param_mappings,
     param_mappings,
 )
 from verl_mcore_utils.weights.save import save_hf_weights
@@ -42,6 +43,7 @@ __all__ = [
     "megatron_to_hf",
     "merge_gate_up",
     "merge_qkv",
+    "mtp_param_mappings",
     "param_mappings",
     "save_hf_weights",
     "split_gate_up",

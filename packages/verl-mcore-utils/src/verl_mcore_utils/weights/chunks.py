@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 
 from verl_mcore_utils.grouped_experts import expert_weight_views
 from verl_mcore_utils.weights.experts import expert_groups
-from verl_mcore_utils.weights.names import TIED_OUTPUT, HFDims, ParamMapping, param_mappings
+from verl_mcore_utils.weights.names import MTP_LAYER, TIED_OUTPUT, HFDims, ParamMapping, param_mappings
 
 
 def unwrap_model_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[GPTModel]:
@@ -67,6 +67,8 @@ def model_parallel_groups() -> ModelParallelGroups:
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron-core 0.14 to 0.16 name an MTP layer's decoder layer ``transformer_layer``, 0.17+ ``mtp_model_layer``
+_MTP_LAYER_NAME = re.compile(r"^(mtp\.layers\.\d+)\.transformer_layer\.")
 
 
 # megatron-core's MultiTokenPredictionBlock (GPTModel.mtp) and, with pipeline stages, the last stage's copy of the
@@ -80,21 +82,23 @@ def local_megatron_params(
     """This rank's parameters by global megatron name, each with its mapping; unmapped ones are errors.
 
     Public so that other exporters (verl_mfsdp) walk the same name table instead of a copy of it.
-    Multi-token-prediction layers (``mtp.*``, see :mod:`verl_mcore_utils.mtp`) are left out: the supported
-    Hugging Face architectures (Qwen2 / Qwen3 / Llama) have no MTP tensors (transformers drops them), so
-    they keep their initialisation on load and are not exported to a rollout engine. With expert parallelism
-    local experts are named by their global index (:mod:`verl_mcore_utils.weights.experts`).
+    Multi-token-prediction layers (``mtp.layers.*``, see :mod:`verl_mcore_utils.mtp`) are included when the
+    Hugging Face config declares them (GLM-4.5: :func:`~verl_mcore_utils.weights.names.mtp_param_mappings`), under
+    ``mtp.layers.<k>.mtp_model_layer.*`` whatever the megatron-core version; otherwise (Qwen / Llama with MTP
+    layers of the engine's own) they are left out: no checkpoint has a place for them. The last stage's copy
+    of the embedding (``mtp_embedding``) is never a weight of its own. With expert parallelism local experts
+    are named by their global index (:mod:`verl_mcore_utils.weights.experts`).
     """
     experts = expert_groups()
-    table = {m.megatron_name: m for m in param_mappings(hf_config=dims)}
+    table = {m.megatron_name: m for m in param_mappings(hf_config=dims, mtp=True)}
     if dims.tie_word_embeddings:
         table[TIED_OUTPUT.megatron_name] = TIED_OUTPUT
     out: dict[str, tuple[ParamMapping, torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
         for name, param in [*chunk.named_parameters(), *expert_bias_buffers(chunk)]:
-            if name.startswith(MTP_PREFIXES):
+            if name.startswith(MTP_PREFIXES) and not (dims.mtp_layers and name.startswith("mtp.layers.")):
                 continue
-            global_name = name
+            global_name = _MTP_LAYER_NAME.sub(rf"\1.{MTP_LAYER}.", name)
             match = _LAYER_NAME.match(name)
             if match:
                 layer = chunk.decoder.layers[int(match.group(1))]

@@ -41,7 +41,10 @@ def export_hf_weights(
     and vocabulary padding is cut off. With ``tie_word_embeddings`` no ``lm_head.weight`` is yielded
     (Hugging Face re-ties it to ``model.embed_tokens.weight`` on load).
 
-    The order is fixed (embedding, layers in order, final norm, lm_head) and the same on every rank.
+    A model with multi-token-prediction layers that the config declares (GLM-4.5) yields them last, as the
+    checkpoint's ``model.layers.<num_hidden_layers + k>.*`` (without the embedding and head they share).
+
+    The order is fixed (embedding, layers in order, final norm, lm_head, MTP layers) and the same on every rank.
     Collectives run inside the generator: every rank of the model must iterate it to the end, in step.
     Tensors keep the parameters' dtype and device and may share memory with the parameters or with each
     other: clone before modifying, and copy before the next optimizer step if you keep them.
@@ -75,7 +78,8 @@ def export_hf_weights(
                     f"megatron parameter {name!r} is held by PP stages {owners[name][0]} and {stage}"
                 )
             owners[name] = (stage, shape, dtype)
-    mappings = param_mappings(hf_config=dims)
+    # the MTP layers when the model has them (every rank knows from ``owners``) and the config maps them
+    mappings = param_mappings(hf_config=dims, mtp=any(name.startswith("mtp.") for name in owners))
     absent = [m.megatron_name for m in mappings if m.megatron_name not in owners]
     if absent:
         raise ValueError(f"no pipeline stage holds megatron parameters {few_names(absent)}")

@@ -19,7 +19,7 @@ from verl_mcore_utils.weights.chunks import (
 )
 from verl_mcore_utils.weights.experts import expert_groups
 from verl_mcore_utils.weights.fused import hf_to_megatron, tp_shard
-from verl_mcore_utils.weights.names import HFDims, as_dims, few_names, hf_tensor_shapes
+from verl_mcore_utils.weights.names import MTP_SHARED_SUFFIXES, HFDims, as_dims, few_names, hf_tensor_shapes
 
 # Checkpoint tensors that are not weights of the model and are skipped on load: old Llama checkpoints
 # saved the rotary ``inv_freq`` buffer, which megatron recomputes from rope_theta.
@@ -102,23 +102,31 @@ def mtp_tensor_prefixes(hf_config: Mapping[str, Any] | Any) -> tuple[str, ...]:
     return (*(f"model.layers.{layers + k}." for k in range(mtp)), "model.mtp_layers.")
 
 
-def _check_source(src: _Source, dims: HFDims, *, mtp_prefixes: tuple[str, ...], builds_mtp: bool) -> None:
-    """Name set and shapes of the whole checkpoint against hf_config (same verdict on every rank).
+def _check_source(src: _Source, dims: HFDims, *, mtp_prefixes: tuple[str, ...], builds_mtp: bool) -> bool:
+    """Name set and shapes of the whole checkpoint against hf_config (same verdict on every rank); returns
+    whether the checkpoint's multi-token-prediction layers are to be loaded.
 
-    The checkpoint's MTP layers are not loaded: skipped as transformers does when the model has no MTP block,
-    refused when it has one (its layers would silently start from initialisation instead of the checkpoint).
+    A checkpoint's MTP layers are all there or absent (transformers drops them when it saves). Absent, or the
+    model has no MTP block: skipped, as transformers does, and MTP layers keep their initialisation. Present and
+    built: checked like the rest and loaded, except the tensors an MTP layer shares with the model
+    (``MTP_SHARED_SUFFIXES``). Present, built, but of a layout we have no table for: refused, rather than start
+    the MTP layers from initialisation while the checkpoint has trained weights for them.
     """
-    expected = hf_tensor_shapes(hf_config=dims)
     names = {n for n in src.names() if not n.endswith(_IGNORED_SUFFIXES)}
     mtp = sorted(n for n in names if n.startswith(mtp_prefixes))
-    if mtp and builds_mtp:
+    load_mtp = bool(mtp) and builds_mtp
+    if load_mtp and not dims.mtp_layers:
         raise NotImplementedError(
-            f"the checkpoint holds multi-token-prediction layer weights ({few_names(mtp)}); loading them into"
-            " the model's MTP layers is not supported yet, and they would start from initialisation instead:"
-            " set actor_rollout_ref.model.mtp.enable=false (the checkpoint's MTP tensors are then skipped, as"
-            " transformers does)"
+            f"the checkpoint holds multi-token-prediction layer weights ({few_names(mtp)}) in a layout verl-mcore-utils"
+            f" cannot map for model_type {dims.model_type!r} (GLM-4.5's model.layers.<num_hidden_layers + k> is"
+            " supported); they would start from initialisation instead: set actor_rollout_ref.model.mtp.enable=false"
+            " (the checkpoint's MTP tensors are then skipped, as transformers does)"
         )
-    names -= set(mtp)
+    if not load_mtp:
+        names -= set(mtp)
+    else:
+        names -= {n for n in mtp if n.endswith(MTP_SHARED_SUFFIXES)}
+    expected = hf_tensor_shapes(hf_config=dims, mtp=load_mtp)
     if dims.tie_word_embeddings:
         names.discard("lm_head.weight")  # some tied checkpoints store the (identical) head anyway
     missing = sorted(set(expected) - names)
@@ -134,6 +142,7 @@ def _check_source(src: _Source, dims: HFDims, *, mtp_prefixes: tuple[str, ...], 
         got = src.shape(name)
         if got != shape:
             raise ValueError(f"tensor {name!r} has shape {got} in the checkpoint; the config implies {shape}")
+    return load_mtp
 
 
 @torch.no_grad()
@@ -156,7 +165,9 @@ def load_hf_weights(
     A value head (critic / reward model, :class:`~verl_mcore_utils.module.ValueHead` in place of the output
     layer) has no counterpart in a causal-LM checkpoint: it keeps its own initialisation, the backbone is
     loaded, and the checkpoint's ``lm_head.weight`` is read by no parameter. A checkpoint's multi-token-prediction
-    layers (:func:`mtp_tensor_prefixes`) are skipped when the model has no MTP block and refused when it has one.
+    layers (:func:`mtp_tensor_prefixes`) are loaded into the model's MTP block when it has one (GLM-4.5's
+    layout; others are refused by name) and skipped when it has none or the checkpoint has no MTP tensors (the
+    MTP layers then keep their initialisation).
 
     With a distributed optimizer, reload its fp32 main copies from the model afterwards.
     """
@@ -176,8 +187,12 @@ def load_hf_weights(
     with contextlib.ExitStack() as stack:
         src = _Source(source, stack)
         builds_mtp = any(n.startswith(MTP_PREFIXES) for c in chunks for n, _ in c.named_parameters())
-        _check_source(src, dims, mtp_prefixes=mtp_tensor_prefixes(hf_config), builds_mtp=builds_mtp)
+        load_mtp = _check_source(
+            src, dims, mtp_prefixes=mtp_tensor_prefixes(hf_config), builds_mtp=builds_mtp
+        )
         for meg_name, (mapping, param) in local.items():
+            if meg_name.startswith("mtp.") and not load_mtp:
+                continue
             groups = experts.for_param(meg_name, all_groups)  # experts: split over ETP
             full = hf_to_megatron(mapping, [src.get(n) for n in mapping.hf_names], hf_config=dims)
             if mapping.vocab_parallel:

@@ -6,7 +6,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from verl_mcore_utils.transformer_config import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, hf_get, hf_num_experts
+from verl_mcore_utils.transformer_config import (
+    MOE_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    hf_get,
+    hf_mtp_num_layers,
+    hf_num_experts,
+)
 
 Fusion = Literal["none", "qkv", "gate_up"]
 
@@ -116,6 +122,7 @@ class HFDims:
     first_dense_layers: int = 0  # GLM-4.5 / DeepSeek-V3 ``first_k_dense_replace``
     expert_bias: bool = False  # the router's ``e_score_correction_bias``
     shared_intermediate_size: int = 0  # all shared experts together, 0: none
+    mtp_layers: int = 0  # multi-token-prediction layers stored as model.layers.<num_layers + k> (GLM-4.5)
 
     @property
     def dense(self) -> bool:
@@ -161,6 +168,7 @@ class HFDims:
             first_dense_layers=int(hf_get(hf_config, "first_k_dense_replace", 0) or 0) if glm else 0,
             expert_bias=glm,
             shared_intermediate_size=shared * int(hf_get(hf_config, "moe_intermediate_size")) if glm else 0,
+            mtp_layers=hf_mtp_num_layers(hf_config) if glm else 0,
         )
 
 
@@ -203,8 +211,48 @@ def layer_param_mappings(layer: int, *, hf_config: Mapping[str, Any] | Any) -> l
     return out
 
 
-def param_mappings(*, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
-    """Every mapping of the whole model in export order: embedding, layers 0..N-1, final norm, lm_head.
+# An MTP layer's own tensors (megatron-core's MultiTokenPredictionLayer, suffix inside ``mtp.layers.<k>``) and
+# their names inside the checkpoint's ``model.layers.<num_layers + k>``; its decoder layer follows the layer table
+# under ``mtp_model_layer`` (megatron-core 0.14 to 0.16 call it ``transformer_layer``; the chunk walk renames it).
+_MTP_TABLE: tuple[tuple[str, str, int | None], ...] = (
+    ("enorm.weight", "enorm.weight", None),
+    ("hnorm.weight", "hnorm.weight", None),
+    (
+        "eh_proj.weight",
+        "eh_proj.weight",
+        0,
+    ),  # [hidden, 2 x hidden]: input is [enorm(embedding); hnorm(hidden)]
+    ("final_layernorm.weight", "shared_head.norm.weight", None),
+)
+MTP_LAYER = "mtp_model_layer"
+#: tensors a checkpoint may keep inside an MTP layer that megatron-core shares with the model (its embedding and
+#: output layer, as DeepSeek-V3 / GLM-4.5 do): read by no parameter on load, not exported.
+MTP_SHARED_SUFFIXES = (".embed_tokens.weight", ".shared_head.head.weight")
+
+
+def mtp_param_mappings(*, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
+    """The mappings of the multi-token-prediction layers ``hf_config`` declares (none for most models).
+
+    Megatron's ``mtp.layers.<k>`` holds the checkpoint's ``model.layers.<num_hidden_layers + k>``: enorm, hnorm,
+    eh_proj, ``shared_head.norm`` as the layer's final norm, and a decoder layer of the same table as the others.
+    """
+    dims = as_dims(hf_config)
+    out: list[ParamMapping] = []
+    for k in range(dims.mtp_layers):
+        hf_layer = dims.num_layers + k
+        out.extend(
+            ParamMapping(f"mtp.layers.{k}.{meg}", (f"model.layers.{hf_layer}.{hf}",), "none", tp_dim)
+            for meg, hf, tp_dim in _MTP_TABLE
+        )
+        for m in layer_param_mappings(hf_layer, hf_config=dims):
+            inner = m.megatron_name.removeprefix(f"decoder.layers.{hf_layer}.")
+            out.append(ParamMapping(f"mtp.layers.{k}.{MTP_LAYER}.{inner}", m.hf_names, m.fusion, m.tp_dim))
+    return out
+
+
+def param_mappings(*, hf_config: Mapping[str, Any] | Any, mtp: bool = False) -> list[ParamMapping]:
+    """Every mapping of the whole model in export order: embedding, layers 0..N-1, final norm, lm_head, and
+    with ``mtp`` the multi-token-prediction layers (:func:`mtp_param_mappings`).
 
     With ``tie_word_embeddings`` there is no lm_head entry: Hugging Face ties it to embed_tokens.
     """
@@ -215,11 +263,14 @@ def param_mappings(*, hf_config: Mapping[str, Any] | Any) -> list[ParamMapping]:
     out.append(_FINAL_NORM)
     if not dims.tie_word_embeddings:
         out.append(_OUTPUT)
+    if mtp:
+        out.extend(mtp_param_mappings(hf_config=dims))
     return out
 
 
-def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor a checkpoint of ``hf_config`` holds, with its shape (the strictness reference)."""
+def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor a checkpoint of ``hf_config`` holds, with its shape (the strictness reference);
+    with ``mtp`` its multi-token-prediction layers' too."""
     d = as_dims(hf_config)
     q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
     per_layer: dict[str, tuple[int, ...]] = {
@@ -245,6 +296,10 @@ def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[i
         "mlp.shared_experts.gate_proj.weight": (d.shared_intermediate_size, d.hidden_size),
         "mlp.shared_experts.up_proj.weight": (d.shared_intermediate_size, d.hidden_size),
         "mlp.shared_experts.down_proj.weight": (d.hidden_size, d.shared_intermediate_size),
+        "enorm.weight": (d.hidden_size,),
+        "hnorm.weight": (d.hidden_size,),
+        "eh_proj.weight": (d.hidden_size, 2 * d.hidden_size),
+        "shared_head.norm.weight": (d.hidden_size,),
     }
     top = {
         "model.embed_tokens.weight": (d.vocab_size, d.hidden_size),
@@ -252,7 +307,7 @@ def hf_tensor_shapes(*, hf_config: Mapping[str, Any] | Any) -> dict[str, tuple[i
         "lm_head.weight": (d.vocab_size, d.hidden_size),
     }
     shapes: dict[str, tuple[int, ...]] = {}
-    for mapping in param_mappings(hf_config=d):
+    for mapping in param_mappings(hf_config=d, mtp=mtp):
         for name in mapping.hf_names:
             suffix = name.split(".", 3)[3] if name not in top else name
             if suffix.startswith("mlp.experts."):  # mlp.experts.{e}.gate_proj.weight
