@@ -15,11 +15,15 @@ def tp_joined(
     from verl_mcore_utils.weights.fused import tp_unshard
     from verl_mcore_utils.weights.names import param_mappings
 
-    mappings = {m.megatron_name: m for m in param_mappings(hf_config=tiny_hf_config(model_type))}
+    # with the MTP layer's entries (GLM-4.5): a config declaring one MTP layer (other tiny configs are unchanged)
+    config = tiny_hf_config(model_type, num_nextn_predict_layers=1)
+    mappings = {m.megatron_name: m for m in param_mappings(hf_config=config, mtp=True)}
     ranks = [per_rank[r][key] for r in range(tp)]
     out = {}
     for name, value in ranks[0].items():
-        mapping = mappings.get(name)  # grouped experts' stacked weights have no entry: replicated (ETP 1)
+        mapping = mappings.get(
+            name.replace(".transformer_layer.", ".mtp_model_layer.")
+        )  # grouped experts' stacked weights have no entry: replicated (ETP 1)
         if mapping is not None and mapping.tp_dim is not None:
             out[name] = tp_unshard([r[name] for r in ranks], mapping)
         else:

@@ -257,6 +257,32 @@ def test_glm_mtp_layer_moves_its_expert_bias_and_equals_one_rank(tmp_path) -> No
     _equal_to_one_rank(one, _steps(2, path, layouts))
 
 
+def test_glm_mtp_at_tp2_with_sequence_parallelism_equals_one_rank(tmp_path) -> None:
+    """GLM-4.5 with its MTP layer loaded from the checkpoint, at TP 2 + SP (MoE at TP > 1 needs SP, and MTP layers
+    refused SP before: their norms were megatron-core's torch norms). The MTP layer's enorm / hnorm / final norm
+    act on the sequence shard, its eh_proj and decoder layer are split over TP and its router sees this shard's
+    padding mask: gradients and updated weights (TP shards joined, the MTP layer's included) 1e-5, the expert
+    biases (MTP router's included) bitwise against one rank."""
+    from rl_engine_workers import MTP_ON
+    from sp_workers import tp_joined
+    from test_rl_engine_mtp_cpu import _glm_checkpoint_with_mtp_layer
+
+    path, _, _, _ = _glm_checkpoint_with_mtp_layer(tmp_path)
+    tp2 = [*MTP_ON, f"{AM}.tensor_model_parallel_size=2", f"{AM}.expert_tensor_parallel_size=1"]
+    if not _supports_two_ranks():
+        from rl_engine_workers import build_error
+
+        for message in run_distributed(
+            build_error, world_size=2, args=(path, ["trainer.n_gpus_per_node=2", *tp2])
+        ):
+            assert "megatron-core >= 0.16" in message, message
+        return
+    one = _steps(1, path, {"one": MTP_ON})[0]["one"]
+    assert any(n.startswith("mtp.") and n.endswith("eh_proj.weight") for n in one["grads"])
+    assert any(n.startswith("mtp.") for n in one["bias"]), sorted(one["bias"])
+    _equal_to_one_rank(one, _steps(2, path, {"tp2": tp2}), join=partial(tp_joined, model_type="glm4_moe"))
+
+
 def test_glm_at_tp2_with_sequence_parallelism_equals_one_rank(glm_dir: str) -> None:
     """TP 2 + SP (the block of dense and MoE layers gets the sequence-parallel final norm): experts at ETP 1
     (grouped, whole experts per TP rank) and at ETP = TP (sequential, split): gradients and updated weights, TP

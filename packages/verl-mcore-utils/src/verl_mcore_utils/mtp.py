@@ -43,6 +43,8 @@ def build_mtp_block(
     layers get what :func:`verl_mcore_utils.model.build_gpt_model` gives the decoder's: the padding-correct
     expert-bias count, and on a CPU ``device`` the portable routers and dispatchers (megatron-core's move
     router weights to CUDA) with expert-bias buffers made on the CPU. Returned on ``device``.
+    With sequence parallelism the layers' own norms are :class:`~verl_mcore_utils.sp_norm.SequenceParallelNorm`
+    (their weights' gradients summed over TP like the decoder's), so MTP works with SP without Transformer Engine.
     ``pg_collection``: the GPTModel's process groups (megatron-core >= 0.19; pass ``model.pg_collection``).
     Without it 0.19's block takes the TP and CP groups only, and its MoE layers, finding no expert group, hold
     every expert on every rank at EP > 1 (no dispatch over EP; the experts' gradients are then reduced over
@@ -53,22 +55,20 @@ def build_mtp_block(
 
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1 for an MTP block, got {num_layers}")
-    if tf_config.sequence_parallel:  # its norms are megatron-core's torch norms, which assert SP off
-        moe = (
-            "; an MoE model needs sequence parallelism at TP > 1, so set tensor_model_parallel_size=1 too"
-            if tf_config.num_moe_experts
-            else ""
-        )
-        raise NotImplementedError(
-            "multi-token prediction with sequence_parallel=True is not supported without Transformer Engine;"
-            f" set megatron.sequence_parallel=false or mtp.enable=false{moe}"
-        )
     config = dataclasses.replace(tf_config, mtp_num_layers=num_layers)
     spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
     if spec is None:
         raise ValueError(
             "megatron-core builds no MTP layers on this pipeline stage; build the MTP block on the last stage only"
         )
+    if config.sequence_parallel:
+        from verl_mcore_utils.sp_norm import mtp_spec_with_sequence_parallel_norms
+
+        spec = mtp_spec_with_sequence_parallel_norms(spec)
+    if torch.device(device).type == "cpu" and config.tensor_model_parallel_size > 1:
+        from verl_mcore_utils.sp_portable import install_portable_sequence_parallel
+
+        install_portable_sequence_parallel()  # megatron-core's TP gathers allocate on CUDA
     with cpu_expert_bias(config, device):
         groups = {} if pg_collection is None else {"pg_collection": pg_collection}
         block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage, **groups)
@@ -187,7 +187,10 @@ def mtp_layer_forward(
     megatron-core 0.14 to 0.19 all have ``_proj_and_transformer_layer`` with these keywords; its public
     ``forward`` is not used because it re-derives the next tokens by rolling the local tensor.
     ``padding_mask`` ([b, s], True at padding; megatron-core >= 0.16): an MoE MTP layer's router then
-    neither balances nor counts those positions, as the decoder's routers do with GPTModel's mask.
+    neither balances nor counts those positions, as the decoder's routers do with GPTModel's mask. Under
+    sequence parallelism ``hidden_states`` and ``decoder_input`` are this TP rank's sequence shard (as the
+    decoder's output and the embedding give them) while ``padding_mask`` covers the whole sequence: it is cut
+    to the rank's shard here, as GPTModel does for the decoder.
     """
     step = getattr(layer, "_proj_and_transformer_layer", None)
     if step is None:
@@ -195,6 +198,13 @@ def mtp_layer_forward(
             f"megatron-core {mcore_version()}: MultiTokenPredictionLayer has no _proj_and_transformer_layer;"
             " MTP is supported with megatron-core 0.14 to 0.19"
         )
+    if padding_mask is not None and layer.config.sequence_parallel:
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        shard = padding_mask.shape[1] // size
+        padding_mask = padding_mask[:, rank * shard : (rank + 1) * shard]
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     return step(
         hidden_states=hidden_states,

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelNorm", "block_spec_with_final_norm", "with_sequence_parallel_norms"]
+__all__ = [
+    "SequenceParallelNorm",
+    "block_spec_with_final_norm",
+    "mtp_spec_with_sequence_parallel_norms",
+    "with_sequence_parallel_norms",
+]
 
 
 class SequenceParallelNorm:
@@ -90,3 +95,21 @@ def block_spec_with_final_norm(tf_config: Any, layer_spec: Any, *, vp_stage: int
     if _is_torch_norm(block.layer_norm):
         block = replace(block, layer_norm=SequenceParallelNorm)
     return block
+
+
+def mtp_spec_with_sequence_parallel_norms(block: Any) -> Any:
+    """megatron-core's MTP block spec with each layer's own torch norms (``enorm``, ``hnorm`` and the final
+    ``layer_norm``) replaced by :class:`SequenceParallelNorm`; megatron-core gives them its module-level norm,
+    which asserts SP off. Under SP they see a sequence shard, like the decoder's norms (the MTP layer scatters
+    its projection's output to the sequence shards before its decoder layer, whose spec the caller already
+    gave SP norms). A new spec: megatron-core's repeats one layer spec object for every MTP layer."""
+    layers = []
+    for spec in block.layer_specs:
+        sub = spec.submodules
+        norms = {
+            n: SequenceParallelNorm
+            for n in ("enorm", "hnorm", "layer_norm")
+            if _is_torch_norm(getattr(sub, n))
+        }
+        layers.append(replace(spec, submodules=replace(sub, **norms)))
+    return replace(block, layer_specs=layers)

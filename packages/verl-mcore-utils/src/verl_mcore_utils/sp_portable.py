@@ -4,7 +4,8 @@ With sequence parallelism (SP) megatron-core moves activations between the seque
 residual stream) and the full sequence (inside attention and MLP) with all-gathers and reduce-scatters along
 the first dimension: ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` in
 ``tensor_parallel/mappings.py`` (behind the embedding's scatter, the row-parallel linears' reduce-scatter and
-``gather_from_sequence_parallel_region``), and the column-parallel linears' own all-gather of their input in
+``gather_from_sequence_parallel_region``), ``_gather_along_last_dim`` (``gather_from_tensor_model_parallel_region``,
+used by the MTP layers at TP > 1 with or without SP), and the column-parallel linears' own all-gather of their input in
 ``LinearWithGradAccumulationAndAsyncCommunication`` (``tensor_parallel/layers.py``). All of them allocate on
 ``torch.cuda.current_device()`` and use ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (gloo has no
 reduce-scatter). :func:`install_portable_sequence_parallel` wraps these three functions once per process: a CUDA
@@ -14,7 +15,9 @@ tensor goes to megatron-core's own code unchanged; a CPU tensor gets the same ex
 ``gather_from_sequence_parallel_region`` (backward: the reduce-scatter of the input gradient) before megatron-core's
 linear runs without SP. The embedding forks megatron-core's CUDA RNG tracker around its dropout under SP
 (``CudaRNGStatesTracker.fork``, which reads and sets the CUDA RNG state); in a process without CUDA there is no
-such state to fork, and the fork becomes a no-op (the dropout draws from the CPU generator). Called by :func:`verl_mcore_utils.model.build_gpt_model` for CPU models with SP.
+such state to fork, and the fork becomes a no-op (the dropout draws from the CPU generator). Called by
+:func:`verl_mcore_utils.model.build_gpt_model` for CPU models with SP and by
+:func:`verl_mcore_utils.mtp.build_mtp_block` for CPU MTP layers at TP > 1.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def _reduce_scatter_rows(
     return own_rows(input_, group, _split(input_, input_split_sizes, world))
 
 
+def _gather_columns(input_: torch.Tensor, group: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Concatenate every rank's tensor along the last dim (megatron-core's ``_gather_along_last_dim``, behind
+    ``gather_from_tensor_model_parallel_region``: the MTP layers' projection output at TP > 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    world = group.size()
+    if world == 1:
+        return input_
+    parts = [torch.empty_like(input_) for _ in range(world)]
+    dist.all_gather(parts, input_.contiguous(), group=group)
+    return torch.cat(parts, dim=-1).contiguous()
+
+
 def _by_device(original: Any, portable: Any) -> Any:
     @functools.wraps(original)
     def dispatch(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -96,6 +114,7 @@ def install_portable_sequence_parallel() -> bool:
     mappings._reduce_scatter_along_first_dim = _by_device(
         mappings._reduce_scatter_along_first_dim, _reduce_scatter_rows
     )
+    mappings._gather_along_last_dim = _by_device(mappings._gather_along_last_dim, _gather_columns)
     layers.linear_with_grad_accumulation_and_async_allreduce = _portable_linear(
         layers.linear_with_grad_accumulation_and_async_allreduce
     )
