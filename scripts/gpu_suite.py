@@ -118,7 +118,7 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         340,
     ),
-    Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 140),
+    Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 230),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
     Chunk(
         "fsdp2",
