@@ -82,7 +82,8 @@ def build_mtp_block(
 def _initialise(block: torch.nn.Module, *, std: float) -> None:
     """Fresh MTP weights that do not depend on the parallel layout.
 
-    The supported Hugging Face checkpoints carry no MTP tensors, so the layers start from initialisation;
+    Most checkpoints carry no MTP tensors (a GLM-4.5 checkpoint's MTP layer is loaded over this afterwards), so
+    the layers start from initialisation;
     megatron-core's own init draws from the global RNG after the decoder layers of *this* stage, so the
     result would change with the pipeline split and the TP size. Here every parameter is drawn whole from a
     generator seeded with the process's torch seed (in name order), and each TP rank keeps its slice:
