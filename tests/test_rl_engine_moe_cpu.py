@@ -119,3 +119,16 @@ def test_z_loss_over_several_ranks_is_refused_before_any_work(moe_dir: str) -> N
         build_error, world_size=2, args=(moe_dir, ["trainer.n_gpus_per_node=2", z])
     ):
         assert "moe_z_loss_coeff=0.001" in message and "2 ranks" in message, message
+
+
+def test_a_sequence_wise_load_balancing_loss_is_refused_before_any_work(moe_dir: str) -> None:
+    """DeepSeek-V3's sequence-wise balance (``seq_aux_loss``): megatron-core takes each row of its [s, b] input as
+    one sequence, and the engine's packed micro-batch is one row of many sequences, so it would balance the
+    packing, not the sequences: refused by name, even on one rank, rather than train a different loss."""
+    from rl_engine_workers import build_error
+
+    seq = f"+{AM}.override_transformer_config.moe_router_load_balancing_type=seq_aux_loss"
+    (message,) = run_distributed(
+        build_error, world_size=1, args=(moe_dir, ["trainer.n_gpus_per_node=1", seq])
+    )
+    assert "moe_router_load_balancing_type=seq_aux_loss" in message and "=aux_loss" in message, message

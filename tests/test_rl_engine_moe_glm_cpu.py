@@ -275,7 +275,7 @@ def test_glm_mtp_at_tp2_with_sequence_parallelism_equals_one_rank(tmp_path) -> N
         for message in run_distributed(
             build_error, world_size=2, args=(path, ["trainer.n_gpus_per_node=2", *tp2])
         ):
-            assert "megatron-core >= 0.16" in message, message
+            assert "megatron-core >= 0.1" in message, message  # ETP 1 needs 0.19, the expert bias 0.16
         return
     one = _steps(1, path, {"one": MTP_ON})[0]["one"]
     assert any(n.startswith("mtp.") and n.endswith("eh_proj.weight") for n in one["grads"])

@@ -125,6 +125,19 @@ def moe_refusals(tf_config: Any, *, pool_size: int, trains: bool, padded_rows: b
             f" >= 0.16 (GPTModel's padding_mask) so that padding is not counted as routed tokens; this is"
             f" {__version__}: upgrade megatron-core or train on one rank with packed sequences"
         )
+    balancing = getattr(tf_config, "moe_router_load_balancing_type", "aux_loss")
+    if aux > 0 and balancing not in ("aux_loss", "none"):
+        why = (
+            "megatron-core balances each row of its [sequence, batch] input, and a packed micro-batch is one row"
+            " holding many sequences, so the loss would balance the micro-batch as packed (changing with packing"
+            " and CP) instead of each sequence"
+            if balancing == "seq_aux_loss"
+            else "only the per-micro-batch load-balancing loss (aux_loss) is checked equal across layouts here"
+        )
+        problems.append(
+            f"moe_router_load_balancing_type={balancing}: {why}; set"
+            " override_transformer_config.moe_router_load_balancing_type=aux_loss"
+        )
     z = getattr(tf_config, "moe_z_loss_coeff", None)
     if z and pool_size > 1:
         problems.append(
