@@ -41,10 +41,8 @@ def export_hf_weights(
     and vocabulary padding is cut off. With ``tie_word_embeddings`` no ``lm_head.weight`` is yielded
     (Hugging Face re-ties it to ``model.embed_tokens.weight`` on load).
 
-    A model with multi-token-prediction layers that the config declares (GLM-4.5) yields them last, as the
-    checkpoint's ``model.layers.<num_hidden_layers + k>.*`` (without the embedding and head they share).
-
-    The order is fixed (embedding, layers in order, final norm, lm_head, MTP layers) and the same on every rank.
+    The order is fixed (embedding, layers in order, final norm, lm_head, then the MTP layers a config declares,
+    as GLM-4.5's ``model.layers.<num_hidden_layers + k>.*`` without the shared embedding / head) on every rank.
     Collectives run inside the generator: every rank of the model must iterate it to the end, in step.
     Tensors keep the parameters' dtype and device and may share memory with the parameters or with each
     other: clone before modifying, and copy before the next optimizer step if you keep them.
