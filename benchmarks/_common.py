@@ -6,9 +6,11 @@ no benchmark imports another benchmark script.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -221,27 +223,79 @@ def rl_batch(*, n: int, prompt: int, response: int, vocab: int, seed: int) -> di
     }
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class StepProfile:
-    """Where one step's time goes, when ``BENCH_PROFILE_DIR`` is set: torch.profiler over the calls wrapped
-    in ``with profile(label):``, written as two tables per rank (CUDA time and host time per operator, top 40)
-    to ``<dir>/<label>_rank<r>.txt``; without the variable it does nothing (no profiler overhead)."""
+    """Where one step's time goes, when ``BENCH_PROFILE_DIR`` is set; without it, nothing (no overhead).
+
+    ``BENCH_PROFILE_KIND=torch`` (default): torch.profiler over the calls wrapped in ``with profile(label):``,
+    written per rank to ``<dir>/<label>_rank<r>.txt`` as two operator tables (CUDA time, host time; top 40)
+    and, first, the GPU timeline in four numbers (:func:`gpu_timeline`): how long the kernels' window was,
+    how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
+    compute kernel overlapped (exposed communication), and how much compute ran. ``BENCH_PROFILE_KIND=python``:
+    cProfile of the host instead (what Python spends a host-bound step on), top 60 functions by own time and
+    by cumulative time, to ``<dir>/<label>_python_rank<r>.txt``.
+    """
 
     def __init__(self) -> None:
         import os
 
         self.folder = os.environ.get("BENCH_PROFILE_DIR")
+        self.kind = os.environ.get("BENCH_PROFILE_KIND", "torch")
+        if self.kind not in ("torch", "python"):
+            raise SystemExit(f"BENCH_PROFILE_KIND={self.kind!r}: use torch or python")
 
     def __call__(self, label: str):
         import contextlib
 
         if not self.folder:
             return contextlib.nullcontext()
-        return self._profiled(label)
+        return self._python(label) if self.kind == "python" else self._profiled(label)
+
+    def _path(self, name: str) -> Path:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        path = Path(self.folder) / f"{name}_rank{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _python(self, label: str):
+        import contextlib
+        import cProfile
+        import io
+        import pstats
+
+        @contextlib.contextmanager
+        def run():
+            prof = cProfile.Profile()
+            _sync()
+            start = time.perf_counter()
+            prof.enable()
+            try:
+                yield
+            finally:
+                prof.disable()
+                host = time.perf_counter() - start
+                _sync()
+                wall = time.perf_counter() - start
+                text = io.StringIO()
+                text.write(
+                    f"== {label}: host {host:.3f} s until the call returned, {wall:.3f} s until the GPU finished\n"
+                )
+                for key in ("tottime", "cumulative"):
+                    text.write(f"== by {key}\n")
+                    pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
+                self._path(f"{label}_python").write_text(text.getvalue())
+
+        return run()
 
     def _profiled(self, label: str):
         import contextlib
 
-        import torch.distributed as dist
         from torch.profiler import ProfilerActivity, profile
 
         @contextlib.contextmanager
@@ -249,13 +303,74 @@ class StepProfile:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 yield
             torch.cuda.synchronize()
-            rank = dist.get_rank() if dist.is_initialized() else 0
             table = prof.key_averages()
-            path = Path(self.folder) / f"{label}_rank{rank}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(
+            timeline = gpu_timeline(prof.events())
+            self._path(label).write_text(
+                f"== {label}: GPU timeline (ms) {json.dumps(timeline)}\n"
                 f"== {label}: by CUDA time\n{table.table(sort_by='cuda_time_total', row_limit=40)}\n"
                 f"== {label}: by host time\n{table.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
             )
 
         return run()
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union ``a`` not covered by the union ``b`` (both sorted, disjoint)."""
+    left, j = 0.0, 0
+    for start, end in a:
+        cursor = start
+        while j < len(b) and b[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                left += b[k][0] - cursor
+            cursor = max(cursor, b[k][1])
+            k += 1
+        left += max(0.0, end - cursor)
+    return left
+
+
+def gpu_timeline(events: Any) -> dict[str, float]:
+    """The kernels of a profile as four numbers (ms): window, idle, exposed NCCL, compute.
+
+    ``window``: first kernel start to last kernel end; ``idle``: time in it when no kernel ran (the GPU waited
+    for the host, or a stream waited on another); ``nccl``: time some NCCL kernel ran; ``exposed_nccl``: NCCL
+    time with no compute kernel beside it (communication the step waits for; it includes a rank waiting for
+    slower ranks inside the collective); ``compute``: time some other kernel ran.
+    """
+    from torch.autograd import DeviceType
+
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    if not kernels:
+        return {}
+    nccl = _union([(s, e) for n, s, e in kernels if "nccl" in n.lower()])
+    compute = _union([(s, e) for n, s, e in kernels if "nccl" not in n.lower()])
+    busy = _union([(s, e) for _, s, e in kernels])
+    window = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    ms = 1e-3  # profiler times are microseconds
+    return {
+        "window": window * ms,
+        "idle": (window - _length(busy)) * ms,
+        "nccl": _length(nccl) * ms,
+        "exposed_nccl": _minus(nccl, compute) * ms,
+        "compute": _length(compute) * ms,
+    }

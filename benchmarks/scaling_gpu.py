@@ -63,6 +63,11 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--fused-kernels",
+        action="store_true",
+        help="model.use_fused_kernels=true: the Triton LM head (log-probs and entropy without [T, V] logits)",
+    )
     parser.add_argument("--override", nargs="*", default=[], help="more verl config overrides (key=value)")
     parser.add_argument("--baseline", type=Path, default=None, help="the one-GPU record to compare with")
     parser.add_argument("--versus", type=Path, default=None, help="another layout's record of the same work")
@@ -95,7 +100,9 @@ def main() -> None:
         *args.override,
     ]
     torch.cuda.reset_peak_memory_stats()
-    engine, cfg = build(args.shape, seq=args.seq, fused=False, sequences=sequences, extra=tuple(layout))
+    engine, cfg = build(
+        args.shape, seq=args.seq, fused=args.fused_kernels, sequences=sequences, extra=tuple(layout)
+    )
     loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     vocab = SHAPES[args.shape][5]
     lengths = [args.seq] * sequences
@@ -141,14 +148,17 @@ def main() -> None:
         if args.baseline is not None:
             base = json.loads(args.baseline.read_text())
             same = base["config"]["shape"] == args.shape and base["config"]["seq"] == args.seq
+            same = same and base["config"].get("fused_kernels", False) == args.fused_kernels
             if not same or base["config"]["seqs_per_replica"] != args.seqs_per_replica:
-                raise SystemExit(f"--baseline {args.baseline} ran another shape / sequence setting")
+                raise SystemExit(f"--baseline {args.baseline} ran another shape / sequence / LM head setting")
             numbers["baseline"] = str(args.baseline)
             numbers["scaling_efficiency"] = numbers["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
         if args.versus is not None:
             other = json.loads(args.versus.read_text())
             if other["gpus"] != world or other["config"]["shape"] != args.shape:
                 raise SystemExit(f"--versus {args.versus} ran on other GPUs or another shape")
+            if other["config"].get("fused_kernels", False) != args.fused_kernels:
+                raise SystemExit(f"--versus {args.versus} ran with another LM head (--fused-kernels)")
             if other["tokens_per_step"] != tokens:
                 raise SystemExit(
                     f"--versus {args.versus} ran another batch ({other['tokens_per_step']} tokens)"
@@ -166,6 +176,7 @@ def main() -> None:
                 "step": "PPO actor step (forward_backward_batch with ppo_loss + entropy, optimizer_step)",
                 "dtype": "bfloat16",
                 "transformer_engine": False,
+                "fused_kernels": args.fused_kernels,
                 "micro_batch": f"one packed row of {args.seq} tokens (dynamic bsz)",
                 "overrides": layout,
                 "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
