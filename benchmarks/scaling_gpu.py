@@ -50,6 +50,11 @@ from _common import (
 from _record import update_target, write_record
 
 
+def numbers_micro_batch(args: argparse.Namespace) -> str:
+    """The micro-batch setting as the records state it (compared by --baseline and --versus)."""
+    return f"one packed row of {args.max_token_len or args.seq} tokens (dynamic bsz)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -63,6 +68,15 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--max-token-len",
+        type=int,
+        default=None,
+        help="ppo_max_token_len_per_gpu: tokens per micro-batch (default --seq: one sequence per micro-batch)",
+    )
+    parser.add_argument(
+        "--recompute", action="store_true", help="full activation recompute, one layer per checkpoint"
+    )
     parser.add_argument(
         "--fused-kernels",
         action="store_true",
@@ -101,7 +115,13 @@ def main() -> None:
     ]
     torch.cuda.reset_peak_memory_stats()
     engine, cfg = build(
-        args.shape, seq=args.seq, fused=args.fused_kernels, sequences=sequences, extra=tuple(layout)
+        args.shape,
+        seq=args.seq,
+        fused=args.fused_kernels,
+        sequences=sequences,
+        recompute=args.recompute,
+        max_token_len=args.max_token_len,
+        extra=tuple(layout),
     )
     loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
     vocab = SHAPES[args.shape][5]
@@ -148,7 +168,10 @@ def main() -> None:
         if args.baseline is not None:
             base = json.loads(args.baseline.read_text())
             same = base["config"]["shape"] == args.shape and base["config"]["seq"] == args.seq
-            same = same and base["config"].get("fused_kernels", False) == args.fused_kernels
+            same = same and all(
+                base["config"].get(key, False) == getattr(args, key) for key in ("fused_kernels", "recompute")
+            )
+            same = same and base["config"].get("micro_batch") == numbers_micro_batch(args)
             if not same or base["config"]["seqs_per_replica"] != args.seqs_per_replica:
                 raise SystemExit(f"--baseline {args.baseline} ran another shape / sequence / LM head setting")
             numbers["baseline"] = str(args.baseline)
@@ -157,8 +180,13 @@ def main() -> None:
             other = json.loads(args.versus.read_text())
             if other["gpus"] != world or other["config"]["shape"] != args.shape:
                 raise SystemExit(f"--versus {args.versus} ran on other GPUs or another shape")
-            if other["config"].get("fused_kernels", False) != args.fused_kernels:
-                raise SystemExit(f"--versus {args.versus} ran with another LM head (--fused-kernels)")
+            for key in ("fused_kernels", "recompute"):
+                if other["config"].get(key, False) != getattr(args, key):
+                    raise SystemExit(f"--versus {args.versus} ran with another --{key.replace('_', '-')}")
+            if other["config"].get("micro_batch") != numbers_micro_batch(args):
+                raise SystemExit(
+                    f"--versus {args.versus} ran other micro-batches ({other['config'].get('micro_batch')})"
+                )
             if other["tokens_per_step"] != tokens:
                 raise SystemExit(
                     f"--versus {args.versus} ran another batch ({other['tokens_per_step']} tokens)"
@@ -177,7 +205,8 @@ def main() -> None:
                 "dtype": "bfloat16",
                 "transformer_engine": False,
                 "fused_kernels": args.fused_kernels,
-                "micro_batch": f"one packed row of {args.seq} tokens (dynamic bsz)",
+                "recompute": args.recompute,
+                "micro_batch": numbers_micro_batch(args),
                 "overrides": layout,
                 "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
                 "peak_bf16_tflops": PEAK_BF16_TFLOPS,
