@@ -56,3 +56,30 @@ def test_the_loss_parity_table_in_the_docs_is_the_committed_json() -> None:
     data = json.loads((ROOT / "benchmarks" / "results" / "verl_loss_parity.json").read_text())
     assert data["verl"] == "0.9.1"
     assert loss_parity_table.table(data) in (ROOT / "docs" / "engine.md").read_text()
+
+
+def test_gpu_timeline_splits_a_profile_into_idle_exposed_nccl_and_compute() -> None:
+    """benchmarks/_common.gpu_timeline: the numbers the issue-36 profiles report, on a hand-made kernel list."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _common
+
+    def kernel(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        kernel("gemm", 0, 1000),
+        kernel("ncclDevKernel_AllGather", 500, 1500),  # half hidden behind the GEMM, half exposed
+        kernel("elementwise", 2000, 2500),  # 500 us of idle before it
+        kernel("ncclDevKernel_ReduceScatter", 2600, 3000),  # exposed, after 100 us idle
+        kernel("aten::mm", 0, 5000, device=DeviceType.CPU),  # host events are not kernels
+    ]
+    got = _common.gpu_timeline(events)
+    want = {"window": 3.0, "idle": 0.6, "nccl": 1.4, "exposed_nccl": 0.9, "compute": 1.5}
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want), got
+    assert _common.gpu_timeline([]) == {}

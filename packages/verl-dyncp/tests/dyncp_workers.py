@@ -236,7 +236,37 @@ def _planner_merge_checks(groups: Any) -> dict[str, Any]:
         merged_bf16.dtype == torch.bfloat16
         and bool(torch.equal(merged_bf16, packed_tokens(lens, 0).to(torch.bfloat16))),
     )
+    out["joint_merge"] = _joint_merge_check(mb, groups, total=sum(lens))
     return out
+
+
+def _joint_merge_check(mb: Any, groups: Any, *, total: int) -> dict[str, bool]:
+    """dynamic_cp_merge_outputs (one gather per dtype) against one dynamic_cp_merge_output per tensor."""
+    from verl_dyncp.planner import dynamic_cp_merge_output, dynamic_cp_merge_outputs, dynamic_cp_take
+
+    gen = torch.Generator().manual_seed(7)
+    full = {"a": torch.randn(total, generator=gen), "b": torch.randn(total, 3, generator=gen)}
+    weights = torch.randn(total, 4, generator=gen)
+
+    def run(joint: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        a = dynamic_cp_take(full["a"], micro_batch=mb).requires_grad_()
+        b = dynamic_cp_take(full["b"], micro_batch=mb).requires_grad_()
+        outs = {"a": a, "ids": mb.batch.input_ids, "b": b}
+        if joint:
+            merged = dynamic_cp_merge_outputs(outs, micro_batch=mb, groups=groups)
+        else:
+            merged = {k: dynamic_cp_merge_output(v, micro_batch=mb, groups=groups) for k, v in outs.items()}
+        (merged["a"] * weights[:, 0] + (merged["b"] * weights[:, 1:]).sum(-1)).sum().backward()
+        return merged, [a.grad, b.grad]
+
+    joint, joint_grads = run(True)
+    apart, apart_grads = run(False)
+    return {
+        "order": list(joint) == ["a", "ids", "b"],
+        "values": all(torch.equal(joint[k], apart[k]) and joint[k].dtype == apart[k].dtype for k in apart),
+        "grads": all(torch.equal(x, y) for x, y in zip(joint_grads, apart_grads, strict=True)),
+        "roundtrip": bool(torch.equal(joint["a"], full["a"]) and torch.equal(joint["b"], full["b"])),
+    }
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:

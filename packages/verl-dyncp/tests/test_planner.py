@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from dyncp_workers import results
 
 from verl_dyncp.planner import (
@@ -103,6 +104,8 @@ def _check_world(world: int) -> None:
         assert pl["static"]["k"] == world
         assert pl["merge_exact"] == (True, True)
         assert pl["take_roundtrip"], "dynamic_cp_take then merge gives back another per-token tensor (bf16)"
+        # several outputs in one gather per dtype: the same bytes, order and gradients as one gather each
+        assert pl["joint_merge"] == {"order": True, "values": True, "grads": True, "roundtrip": True}, rank
         few = pl["few_seqs"]
         assert few["assignments"] == ((0,),) + ((),) * (world - 1)
         assert few["is_dummy"] == (rank != 0)
@@ -312,3 +315,14 @@ def test_a_larger_cp_group_when_the_sequences_do_not_pack_into_the_memory_budget
 def test_workload_model_rejects_a_negative_floor() -> None:
     with pytest.raises(ValueError, match="WorkloadModel.min_rank_tokens must be an int >= 0, got -1"):
         WorkloadModel(min_rank_tokens=-1)
+
+
+def test_joint_merge_refuses_outputs_of_different_token_counts() -> None:
+    """Outputs merged together must be per-token tensors of this rank's tokens; the message names each shape."""
+    from verl_dyncp.planner import dynamic_cp_merge_outputs
+
+    with pytest.raises(ValueError, match=r"share dim 0.*'log_probs': \(3,\).*'entropy': \(4,\)"):
+        dynamic_cp_merge_outputs(
+            {"log_probs": torch.zeros(3), "entropy": torch.zeros(4)}, micro_batch=None, groups=None
+        )
+    assert dynamic_cp_merge_outputs({}, micro_batch=None, groups=None) == {}

@@ -30,6 +30,12 @@ def _varlen_fn() -> Any:
     return varlen_attn
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword names this torch release's varlen_attn takes (read once: the call runs per layer)."""
+    return frozenset(inspect.signature(_varlen_fn()).parameters)
+
+
 def varlen_kernel_available() -> bool:
     """True when the installed torch has ``torch.nn.attention.varlen.varlen_attn``."""
     return _varlen_fn() is not None
@@ -58,7 +64,7 @@ def _varlen_call(
     """torch's varlen kernel, causal and bottom-right aligned, with the arguments this torch release takes."""
     fn = _varlen_fn()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # k/v may be views of the gathered kv buffer
-    params = inspect.signature(fn).parameters
+    params = _varlen_params()
     kwargs: dict[str, Any] = {"scale": scale}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)

@@ -3,7 +3,7 @@ and the whole micro-batch's outputs gathered back in the original order (merge).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +18,7 @@ from verl_mcore_utils.transfer import to_device_async
 __all__ = [
     "DynamicCPMicroBatch",
     "dynamic_cp_merge_output",
+    "dynamic_cp_merge_outputs",
     "dynamic_cp_split_batch",
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
@@ -218,6 +219,40 @@ def dynamic_cp_merge_output(
     lens, index = _merge_index_on(micro_batch, local_output.device)
     gathered = gather_slots(local_output, group=groups.full_group, rank=groups.position, lens=lens)
     return gathered.index_select(0, index)
+
+
+def dynamic_cp_merge_outputs(
+    outputs: Mapping[str, torch.Tensor], *, micro_batch: DynamicCPMicroBatch, groups: CPGroups
+) -> dict[str, torch.Tensor]:
+    """:func:`dynamic_cp_merge_output` of several per-token outputs, one all-gather per dtype.
+
+    Why: every merge is a collective over the whole DP x CP pool, so each one holds every rank until the
+    slowest arrives; log-probs and entropy of a micro-batch (same dtype) travel together as columns of one
+    ``[T, n]`` tensor. The results equal separate merges bit for bit (bytes are moved, rows are picked the
+    same way) and gradients reach each output through its own columns.
+    """
+    if not outputs:
+        return {}
+    tokens = {t.shape[0] if t.dim() else None for t in outputs.values()}
+    if len(tokens) != 1 or None in tokens:
+        shapes = {name: tuple(t.shape) for name, t in outputs.items()}
+        raise ValueError(f"outputs to merge must share dim 0 (this rank's tokens); got shapes {shapes}")
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, tensor in outputs.items():
+        by_dtype.setdefault(tensor.dtype, []).append(name)
+    merged: dict[str, torch.Tensor] = {}
+    for names in by_dtype.values():
+        if len(names) == 1:
+            merged[names[0]] = dynamic_cp_merge_output(
+                outputs[names[0]], micro_batch=micro_batch, groups=groups
+            )
+            continue
+        columns = [outputs[name].reshape(outputs[name].shape[0], -1) for name in names]
+        widths = [c.shape[1] for c in columns]
+        gathered = dynamic_cp_merge_output(torch.cat(columns, dim=1), micro_batch=micro_batch, groups=groups)
+        for name, part in zip(names, gathered.split(widths, dim=1), strict=True):
+            merged[name] = part.reshape(part.shape[0], *outputs[name].shape[1:])
+    return {name: merged[name] for name in outputs}
 
 
 _MERGE_CACHE_ATTR = "_verl_merge_index"

@@ -90,7 +90,7 @@ class ModelForward:
 
         Also returns the MTP loss term (``tracker`` given: training with MTP) or None.
         """
-        from verl_dyncp.planner import dynamic_cp_merge_output
+        from verl_dyncp.planner import dynamic_cp_merge_output, dynamic_cp_merge_outputs
 
         local = mb.split.batch
         gpt = _unwrap(model)
@@ -141,9 +141,9 @@ class ModelForward:
             log_probs, ent = vocab_parallel_log_probs_and_entropy(
                 raw, labels, tp_group=tp_group, temperature=temperature, compute_entropy=entropy
             )
-        merged["log_probs"] = dynamic_cp_merge_output(log_probs, micro_batch=mb.split, groups=self.cp_groups)
-        if ent is not None:
-            merged["entropy"] = dynamic_cp_merge_output(ent, micro_batch=mb.split, groups=self.cp_groups)
+        per_token = {"log_probs": log_probs} if ent is None else {"log_probs": log_probs, "entropy": ent}
+        # one collective over the pool for both (a merge holds every rank until the slowest arrives)
+        merged.update(dynamic_cp_merge_outputs(per_token, micro_batch=mb.split, groups=self.cp_groups))
         return merged, mtp_term
 
     def _padded_forward(
