@@ -322,6 +322,21 @@ def test_varlen_key_stream_layout_matches_sdpa_path(cp: int) -> None:
         torch.testing.assert_close(emulated * valid, reference * valid, rtol=1e-6, atol=1e-6)
 
 
+def test_varlen_keywords_are_read_once_from_this_torch() -> None:
+    """The varlen call reads varlen_attn's keywords once per process (it runs per layer and micro-batch): the
+    cached names are the installed torch's, and causality is spelt the way this release takes it."""
+    from verl_dyncp import kernels
+
+    if not kernels.varlen_kernel_available():
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    import inspect
+
+    names = kernels._varlen_params()
+    assert names == frozenset(inspect.signature(kernels._varlen_fn()).parameters)
+    assert "scale" in names and ("window_size" in names or "is_causal" in names)
+    assert kernels._varlen_params() is names  # cached, not read again
+
+
 def test_bad_layouts_are_clear_errors() -> None:
     from verl_dyncp.attention import thd_layout
 
