@@ -28,7 +28,9 @@ GOALS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--key", required=True, help="the targets.json key")
     parser.add_argument("--metric", required=True, choices=sorted(GOALS))
     parser.add_argument("--lowest", action="store_true", help="the lowest value is the best (memory)")
