@@ -190,11 +190,36 @@ def test_a_timeout_kills_the_pool_instead_of_hanging() -> None:
     before = run_distributed(_pid, world_size=2)
     start = time.monotonic()
     # 20 s: long enough for rank 1 to finish on a loaded 2-core machine (at 3 s it sometimes did not)
-    with pytest.raises(DistributedRunError, match=r"timed out after 20s: ranks \[0\] did not finish"):
+    with pytest.raises(
+        DistributedRunError,
+        match=r"timed out after 20s: ranks \[0\] did not finish \(ranks \[1\] finished and were waiting for them\)",
+    ):
         run_distributed(_rank0_hangs, world_size=2, timeout_s=20)
     assert time.monotonic() - start < 60
     assert not any(_alive(p) for p in before)
     assert run_distributed(_sum_of_ranks, world_size=2) == [(0, 1.0), (1, 1.0)]
+
+
+def _teardown_time_and_end(rank: int, world_size: int, tmp: str) -> float:
+    """Rank 0 returns at once, rank 1 after 1.5 s; each rank's teardown writes when it began (fresh workers)."""
+    real = dist.destroy_process_group
+
+    def recorded(*args: object, **kwargs: object) -> None:
+        Path(tmp, f"teardown{rank}").write_text(repr(time.time()))
+        real(*args, **kwargs)
+
+    dist.destroy_process_group = recorded  # the worker's own teardown looks it up here
+    if rank == 1:
+        time.sleep(1.5)
+    return time.time()
+
+
+def test_no_rank_tears_down_before_every_rank_has_finished(tmp_path: Path) -> None:
+    """A rank whose function is done must keep its process group until every peer's function is done: gloo
+    returns from init_process_group on one rank while a slower peer still completes the handshake, and an
+    early teardown made that peer fail with "Connection closed by peer" (CI's rare gloo failure)."""
+    ends = run_distributed(_teardown_time_and_end, world_size=2, args=(str(tmp_path),), fresh=True)
+    assert float((tmp_path / "teardown0").read_text()) >= ends[1]
 
 
 def _dirty_the_process(rank: int, world_size: int, tmp: str) -> None:

@@ -75,7 +75,7 @@ def serve(conn: Connection, log: str | None = None) -> None:
             return  # the caller is gone
         if job is None:
             return
-        report = _run(job)
+        report = _run(job, conn)
         ok = report[2]
         try:
             if ok:  # tear down before reporting: the caller may then close the rendezvous server at once
@@ -90,8 +90,12 @@ def serve(conn: Connection, log: str | None = None) -> None:
             os._exit(1)
 
 
-def _run(job: Job) -> tuple[int, int, bool, Any]:
-    """Join the call's process group, run its function, return the report."""
+def _run(job: Job, conn: Connection) -> tuple[int, int, bool, Any]:
+    """Join the call's process group, run its function, wait for the other ranks, return the report.
+
+    Between the function's end and the wait, a ``(call_id, rank, None, None)`` notice tells the caller this
+    rank is done and only waiting, so a timeout names the ranks that really did not finish.
+    """
     os.environ.update(job.environ)
     os.environ.update(
         {
@@ -115,10 +119,27 @@ def _run(job: Job) -> tuple[int, int, bool, Any]:
             backend=job.backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout
         )
         result = fn(job.rank, job.world_size, *args)
+        conn.send_bytes(pickle.dumps((job.call_id, job.rank, None, None), protocol=pickle.HIGHEST_PROTOCOL))
+        _leave_together(store, job, timeout)
         # Plain pickle: no file descriptors that outlive this process (see verl_mcore_utils.testing).
         return (job.call_id, job.rank, True, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException:
         return (job.call_id, job.rank, False, traceback.format_exc())
+
+
+def _leave_together(store: dist.TCPStore, job: Job, timeout: datetime.timedelta) -> None:
+    """Return once every rank of the call has finished its function: only then may this rank tear down.
+
+    Why: gloo's ``init_process_group`` returns on a rank as soon as its own side of the connection mesh is
+    up, while a slower peer may still be completing the handshake on its side. A rank whose function needs
+    no collective would then destroy its group (closing its sockets) at once, and the peer's
+    ``connectFullMesh`` fails with "Connection closed by peer" (measured under CPU load: 4 of 150 trivial
+    4-rank calls; the cause of CI's rare gloo failure). The barrier is on the call's rendezvous store, not
+    on the process group, which the function may have destroyed itself. A rank that failed never arrives:
+    its peers wait here until the caller, having read the failure, discards them.
+    """
+    store.set(f"verl_test/{job.call_id}/done/{job.rank}", b"1")
+    store.wait([f"verl_test/{job.call_id}/done/{r}" for r in range(job.world_size)], timeout)
 
 
 def _exit_with_parent() -> None:

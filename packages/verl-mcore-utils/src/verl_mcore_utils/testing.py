@@ -160,6 +160,9 @@ class _Replies:
 
     call_id: int
     pending: set[int]  # ranks not heard from yet
+    finished: set[int] = field(
+        default_factory=set
+    )  # pending ranks whose function returned: waiting for peers
     results: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)  # rank -> its traceback
     died: dict[int, int] = field(
@@ -177,8 +180,10 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
     while pending and not failures:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            stuck, waiting = sorted(pending - replies.finished), sorted(pending & replies.finished)
             raise DistributedRunError(
-                f"timed out after {timeout_s:.0f}s: ranks {sorted(pending)} did not finish"
+                f"timed out after {timeout_s:.0f}s: ranks {stuck} did not finish"
+                + (f" (ranks {waiting} finished and were waiting for them)" if waiting else "")
             )
         _poll(workers, replies, timeout=min(remaining, 1.0))
         if replies.died and not failures:
@@ -188,8 +193,9 @@ def _collect(workers: list[Any], replies: _Replies, *, timeout_s: float) -> None
         # The first error is often a consequence ("connection closed by peer"): the rank that failed first, or
         # died, holds the cause. Give the others a few seconds to report or exit; a rank blocked in a
         # collective will not, and is killed with the pool.
+        # Ranks whose function returned wait for the failed one at the end of the call: they will not report.
         grace = time.monotonic() + _FAILURE_GRACE_S
-        while pending and time.monotonic() < grace:
+        while pending - replies.finished and time.monotonic() < grace:
             _poll(workers, replies, timeout=max(0.0, min(grace - time.monotonic(), 0.5)))
 
 
@@ -229,6 +235,9 @@ def _read(conn: Connection, rank: int, replies: _Replies) -> None:
         raise DistributedRunError(
             f"rank {rank} answered call {got_call} as rank {got_rank}, not call {replies.call_id}"
         )
+    if ok is None:  # the function returned; the rank now waits for the others before its report
+        replies.finished.add(rank)
+        return
     replies.pending.discard(rank)
     _record((rank, ok, payload), replies.results, replies.failures)
 
