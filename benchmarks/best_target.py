@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _record import update_target
+from _record import TARGETS, update_target
 
 GOALS = {
     "mfu": ">= 0.47 (Megatron-LM's published 7.1B MFU, with Transformer Engine)",
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", required=True, help="the targets.json key")
     parser.add_argument("--metric", required=True, choices=sorted(GOALS))
     parser.add_argument("--lowest", action="store_true", help="the lowest value is the best (memory)")
+    parser.add_argument("--targets", type=Path, default=TARGETS, help="the targets file (default: results/)")
     parser.add_argument("records", type=Path, nargs="+")
     args = parser.parse_args(argv)
     found = [(path, json.loads(path.read_text())) for path in args.records if path.exists()]
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.name}: {args.metric} {rec[args.metric]:.4f}")
     pick = min if args.lowest else max
     path, rec = pick(found, key=lambda item: item[1][args.metric])
-    update_target(args.key, rec[args.metric], goal=GOALS[args.metric], source=path, record=rec)
+    update_target(
+        args.key, rec[args.metric], goal=GOALS[args.metric], source=path, record=rec, targets=args.targets
+    )
     print(f"{args.key} = {rec[args.metric]:.4f} from {path}")
     return 0
 

@@ -83,3 +83,34 @@ def test_gpu_timeline_splits_a_profile_into_idle_exposed_nccl_and_compute() -> N
     want = {"window": 3.0, "idle": 0.6, "nccl": 1.4, "exposed_nccl": 0.9, "compute": 1.5}
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want), got
     assert _common.gpu_timeline([]) == {}
+
+
+def test_best_target_stores_the_best_record_of_one_device_and_commit(tmp_path: Path) -> None:
+    """benchmarks/best_target.py: the best layout's number, with that record's device, commit and path; records
+    from different machines or commits are refused (a comparison of layouts, not of leases)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import best_target
+
+    def record(name: str, mfu: float, commit: str = "abc1234") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"device": "NVIDIA H200", "commit": commit, "date": "d", "mfu": mfu}))
+        return path
+
+    a, b = record("ddp.json", 0.57), record("fsdp.json", 0.45)
+    targets = tmp_path / "targets.json"
+    targets.write_text(json.dumps({"other": {"value": 1.0}}))
+    assert (
+        best_target.main(
+            ["--key", "mfu_7b_4gpu", "--metric", "mfu", "--targets", str(targets), str(b), str(a)]
+        )
+        == 0
+    )
+    got = json.loads(targets.read_text())
+    assert got["other"] == {"value": 1.0}
+    assert got["mfu_7b_4gpu"]["value"] == 0.57 and got["mfu_7b_4gpu"]["source"].endswith("ddp.json")
+    assert got["mfu_7b_4gpu"]["gpu"] == "NVIDIA H200" and got["mfu_7b_4gpu"]["commit"] == "abc1234"
+    best_target.main(["--key", "m", "--metric", "mfu", "--lowest", "--targets", str(targets), str(a), str(b)])
+    assert json.loads(targets.read_text())["m"]["value"] == 0.45
+    c = record("other_commit.json", 0.6, commit="def5678")
+    with pytest.raises(SystemExit, match="different devices or commits"):
+        best_target.main(["--key", "k", "--metric", "mfu", "--targets", str(targets), str(a), str(c)])
