@@ -328,23 +328,6 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
 
 
-def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the union ``a`` not covered by the union ``b`` (both sorted, disjoint)."""
-    left, j = 0.0, 0
-    for start, end in a:
-        cursor = start
-        while j < len(b) and b[j][1] <= cursor:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            if b[k][0] > cursor:
-                left += b[k][0] - cursor
-            cursor = max(cursor, b[k][1])
-            k += 1
-        left += max(0.0, end - cursor)
-    return left
-
-
 def gpu_timeline(events: Any) -> dict[str, float]:
     """The kernels of a profile as four numbers (ms): window, idle, exposed NCCL, compute.
 
@@ -371,6 +354,6 @@ def gpu_timeline(events: Any) -> dict[str, float]:
         "window": window * ms,
         "idle": (window - _length(busy)) * ms,
         "nccl": _length(nccl) * ms,
-        "exposed_nccl": _minus(nccl, compute) * ms,
+        "exposed_nccl": (_length(busy) - _length(compute)) * ms,  # |NCCL \ compute| = |busy| - |compute|
         "compute": _length(compute) * ms,
     }
