@@ -6,7 +6,8 @@ implementation) differ, so statistics agree to float32 rounding (rtol 1e-5) and 
 bf16 rounding step (rtol 2^-7): each path rounds its float32 result once. Cases: temperature 1 and 0.7,
 ignored labels (-100), a vocabulary shard that owns only some labels (as on a TP rank), a vocabulary that
 is not a multiple of the kernel's block, entropy on and off, gradients through the log-prob, the entropy
-or both, the stored-logits path and the fused LM head.
+or both (also arriving as strided views, as from the engine's merge), the stored-logits path and the
+fused LM head.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def _labels(n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
 def _run(fn, *, grads: str):
     outs = fn()
     log_probs, entropy = outs
+    if (
+        grads == "merged"
+    ):  # as the engine's merge: both as columns of one tensor, gradients back as stride-2 views
+        lp, ent = torch.cat([log_probs[:, None], entropy[:, None]], dim=1).split([1, 1], dim=1)
+        log_probs, entropy, grads = lp.reshape(-1), ent.reshape(-1), "both"
     loss = torch.zeros((), device="cuda")
     if grads in ("log_prob", "both"):
         loss = loss + (log_probs * torch.linspace(-1, 1, log_probs.numel(), device="cuda")).sum()
@@ -40,7 +46,9 @@ def _run(fn, *, grads: str):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("compute_entropy,grads", [(True, "both"), (True, "entropy"), (False, "log_prob")])
+@pytest.mark.parametrize(
+    "compute_entropy,grads", [(True, "both"), (True, "entropy"), (True, "merged"), (False, "log_prob")]
+)
 def test_stored_logits_path_matches_torch_ops(temperature: float, compute_entropy: bool, grads: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, vocab = 300, 10_007  # not a multiple of the block

@@ -66,3 +66,41 @@ def test_kernels_match_the_torch_path_in_triton_interpreter(temperature: float, 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+STRIDED = textwrap.dedent(
+    """
+    import torch
+    from verl_engine import vocab_kernels
+    from verl_engine.logprobs import vocab_parallel_log_probs_and_entropy
+
+    def grads(kernels):
+        g = torch.Generator().manual_seed(0)
+        logits = (3 * torch.randn(7, 4096 + 5, generator=g)).requires_grad_()
+        labels = torch.randint(0, logits.shape[1], (7,), generator=g)
+        weights = torch.randn(2, 7, generator=g)
+        with vocab_kernels.torch_ops_only() if not kernels else torch.enable_grad():
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, labels, compute_entropy=True)
+        # the engine's merge moves both as columns of one [T, 2] tensor: the gradients that come back to
+        # the log-prob function are then views with stride 2
+        both = torch.cat([log_probs[:, None], entropy[:, None]], dim=1)
+        lp, ent = both.split([1, 1], dim=1)
+        (weights[0] * lp.reshape(-1) + weights[1] * ent.reshape(-1)).sum().backward()
+        return logits.grad
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=1e-5, atol=1e-7)
+    print("ok")
+    """
+)
+
+
+def test_gradients_that_arrive_as_strided_views() -> None:
+    """The kernels read the per-row gradients by row index: a strided view (the engine's one-gather merge of
+    log-probs and entropy hands back stride-2 gradients) must reach them as unit-stride rows. Before the fix
+    the entropy gradient went to the kernel as a stride-2 view and every other row read the wrong value
+    (GPU suite at 28e7597: PP, CP and MTP parity failures on NCCL)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", STRIDED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

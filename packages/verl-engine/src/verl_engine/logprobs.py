@@ -308,7 +308,9 @@ def chunked_backward(
     if grad_log_probs is not None:
         grad_log_probs = torch.where(index.valid, grad_log_probs.float(), torch.zeros_like(lse))
     if grad_entropy is not None:
-        grad_entropy = grad_entropy.float()
+        # unit stride for the kernels: a gradient can arrive as a strided view (the engine merges log-probs
+        # and entropy as two columns of one tensor, so each comes back with stride 2)
+        grad_entropy = grad_entropy.float().contiguous()
     rows = vocab_kernels.RowGrads(lse, entropy, grad_log_probs, grad_entropy)
     label_column = torch.where(index.owned, index.column, -1)  # -1 where this rank does not own the label
     grad_dtype, temperature = chunks.source.dtype, ctx.temperature

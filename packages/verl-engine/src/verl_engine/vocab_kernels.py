@@ -148,6 +148,13 @@ def logits_grad(
         raise ValueError(
             f"out must be a [rows, V] tensor with unit vocabulary stride, got {tuple(out.shape)}"
         )
+    strided = [
+        name
+        for name, t in (*zip(RowGrads._fields, rows, strict=True), ("label_column", label_column))
+        if t is not None and t.shape[0] > 1 and t.stride(0) != 1
+    ]
+    if strided:  # the kernel reads them at ``ptr + row``: a strided view would give other rows' values
+        raise ValueError(f"per-row inputs must have unit stride (pass .contiguous()); {strided} do not")
     if num_rows:
         lse, entropy, g, h = rows
         grad_kernel[(num_rows,)](
