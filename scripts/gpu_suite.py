@@ -63,7 +63,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_engine_no_host_sync.py",
             "tests/test_engine_optimizer.py",
         ),
-        170,
+        195,
     ),
     Chunk(
         "state1",
@@ -94,7 +94,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_wgrad_fusion.py",
             "tests/test_gpu_mfsdp.py",
         ),
-        130,
+        210,
     ),
     Chunk("lifecycle2", 2, ("tests/test_gpu_mfsdp_lifecycle.py",), 130),
     Chunk(
@@ -105,7 +105,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_engine_packed.py",
             "tests/test_gpu_pipeline.py",
         ),
-        200,
+        240,
     ),
     Chunk(
         "moe2",
@@ -130,8 +130,8 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         300,
     ),
-    Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 210),
-    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 140),
+    Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 230),
+    Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 170),
 )
 _GPU_MARK = re.compile(r"pytest\.mark\.(gpu|num_gpus)\b")
 
