@@ -60,10 +60,11 @@ CHUNKS: tuple[Chunk, ...] = (
         (
             "tests/test_gpu_engine.py",
             "tests/test_gpu_engine_packed.py",
+            "tests/test_gpu_engine_kernels.py",
             "tests/test_engine_no_host_sync.py",
             "tests/test_engine_optimizer.py",
         ),
-        195,
+        225,
     ),
     Chunk(
         "state1",

@@ -798,18 +798,27 @@ def _live_cuda_tensors() -> list[str]:
 
 
 def gpu_wgrad_fusion_grads(
-    rank: int, world_size: int, hf_config: dict[str, Any], fused_head: bool, runs: list[str]
+    rank: int,
+    world_size: int,
+    hf_config: dict[str, Any],
+    fused_head: bool,
+    runs: list[str],
+    overrides: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """One PPO forward/backward (two micro-batches of two sequences) on one GPU per entry of ``runs``
     ("default": megatron-core's wgrad accumulation fusion left to the engine's default, "off": switched
-    off), engines built and closed in turn; every parameter's fp32 ``main_grad`` of each run, and whether
-    the fused GEMM was really in use."""
+    off, "torch_kernels": the default with the vocabulary and SwiGLU kernels replaced by their torch paths),
+    engines built and closed in turn; every parameter's fp32 ``main_grad`` of each run, and whether the fused
+    GEMM was really in use. ``overrides``: more config keys for every run."""
+    import contextlib
     from functools import partial
 
     from megatron.core.tensor_parallel import layers
 
     from verl_engine.losses import ppo_loss
+    from verl_engine.vocab_kernels import torch_ops_only
     from verl_mcore_utils.module import get_model_config
+    from verl_mcore_utils.swiglu import torch_form_only
 
     batch = verl_batch(
         seed=0, prompt_lens=[5, 9, 3, 7], response_lens=[60, 30, 90, 45], vocab=hf_config["vocab_size"]
@@ -817,16 +826,21 @@ def gpu_wgrad_fusion_grads(
     base = [
         "trainer.n_gpus_per_node=1",
         f"actor_rollout_ref.model.use_fused_kernels={str(fused_head).lower()}",
+        *overrides,
     ]
     knob = "actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion"
     out: list[dict[str, Any]] = []
     for run in runs:
-        extra = [] if run == "default" else [f"{knob}=false"]
+        extra = [f"{knob}=false"] if run == "off" else []
         engine, cfg = _engine([*base, *extra], "actor", "random-init", "cuda", hf_config=hf_config)
         chunk = engine.model[0] if isinstance(engine.model, list) else engine.model
         config = get_model_config(chunk)
         engine.optimizer_zero_grad()
-        with engine.train_mode():
+        paths = contextlib.ExitStack()
+        if run == "torch_kernels":
+            paths.enter_context(torch_ops_only())
+            paths.enter_context(torch_form_only())
+        with engine.train_mode(), paths:
             result = engine.forward_backward_batch(
                 {**batch, "calculate_entropy": True},
                 partial(ppo_loss, config=cfg.actor_rollout_ref.actor),
