@@ -113,6 +113,8 @@ def tests(session: nox.Session, mcore: str) -> None:
     # `above_engine` tests drive the engine only through its public API (the GRPO loop, the Ray launcher, the
     # documented example): what they add per release is covered by the engine's own tests, so they run
     # against the newest megatron-core only.
+    # `newest_mcore` tests do not touch megatron-core (the rank harness, interpreted Triton kernels, scripts): a second
+    # run against an older release would test the same thing twice.
     # `release` tests need the release tool group and run once, in the `release` session.
     # `verl_reference` tests compare with the published verl wheel, installed here for the newest release only.
     newest = mcore == MCORE_VERSIONS[-1]
@@ -121,7 +123,7 @@ def tests(session: nox.Session, mcore: str) -> None:
     marks = (
         "not gpu and not release and not verl_backend"
         if newest
-        else "not gpu and not above_engine and not release and not verl_reference and not verl_backend"
+        else "not gpu and not above_engine and not newest_mcore and not release and not verl_reference and not verl_backend"
     )
     for pkg in PACKAGES:
         tests_dir = f"packages/{pkg}/tests"

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_suite  # noqa: E402
 
+pytestmark = pytest.mark.newest_mcore  # a standard-library script: the megatron-core release does not enter
+
 
 def test_every_gpu_test_is_in_a_chunk_of_its_gpu_count() -> None:
     inventory = gpu_suite.gpu_inventory()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -96,6 +97,7 @@ print("ok")
 """
 
 
+@pytest.mark.newest_mcore  # the kernel against its torch form: no megatron-core in it
 def test_kernel_matches_the_torch_form_in_triton_interpreter() -> None:
     """The Triton kernels' formulas (forward, both halves of backward) on the CPU: ``TRITON_INTERPRET=1``
     runs them with numpy; it must be set before Triton is imported, hence a fresh process. float32: 1e-6."""

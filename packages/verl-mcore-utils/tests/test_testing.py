@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 from verl_mcore_utils.testing import DistributedRunError, run_distributed
 
+# the rank harness, not megatron-core: CI runs these once, on the newest release (the megatron-state test runs on each)
+newest_mcore = pytest.mark.newest_mcore
+
 
 def _sum_of_ranks(rank: int, world_size: int) -> tuple[int, float]:
     t = torch.tensor([float(rank)])
@@ -47,12 +50,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@newest_mcore
 def test_results_come_back_by_rank() -> None:
     assert run_distributed(_sum_of_ranks, world_size=3) == [(0, 3.0), (1, 3.0), (2, 3.0)]
     # back to back: every run gets its own rendezvous server (no port picked, released and re-bound)
     assert run_distributed(_sum_of_ranks, world_size=2) == [(0, 1.0), (1, 1.0)]
 
 
+@newest_mcore
 def test_a_failing_rank_is_reraised_with_its_traceback(capfd: pytest.CaptureFixture[str]) -> None:
     before = run_distributed(_pid, world_size=2)
     with pytest.raises(DistributedRunError, match=r"(?s)--- rank 1 ---.*ValueError: rank one refuses"):
@@ -65,6 +70,7 @@ def test_a_failing_rank_is_reraised_with_its_traceback(capfd: pytest.CaptureFixt
     assert not set(run_distributed(_pid, world_size=2)) & set(before)
 
 
+@newest_mcore
 def test_a_dying_rank_is_an_error_not_a_hang() -> None:
     with pytest.raises(DistributedRunError, match=r"rank\(s\) \[1\] exited with codes \[3\]"):
         run_distributed(_rank1_dies, world_size=2, timeout_s=120)
@@ -88,6 +94,7 @@ def _rank1_crashes(rank: int, world_size: int, how: str) -> None:
         ("segfault", "Fatal Python error: Segmentation fault"),
     ],
 )
+@newest_mcore
 def test_a_crashed_ranks_own_stderr_is_in_the_report(how: str, words: str) -> None:
     """A rank that dies without a Python exception explains itself: the lines its process wrote to stderr
     during the call are in the error (a shared worker's stderr goes to its own file, not to whichever test
@@ -114,6 +121,7 @@ def _rendezvous_fails_once(rank: int, world_size: int, flag: str) -> int:
     return rank
 
 
+@newest_mcore
 def test_a_failed_rendezvous_is_retried_once_on_new_workers(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -133,6 +141,7 @@ def _rank_tensor(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {"values": torch.arange(1000, dtype=torch.float32) + rank}
 
 
+@newest_mcore
 def test_tensor_results_outlive_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank exits right after reporting; its tensors must still be readable when the caller gets to them.
 
@@ -160,6 +169,7 @@ def test_tensor_results_outlive_the_ranks(monkeypatch: pytest.MonkeyPatch) -> No
 # Warm workers: gloo runs share the session's spawned processes; each call must find them as fresh ones.
 
 
+@newest_mcore
 def test_workers_are_reused_across_calls() -> None:
     first = run_distributed(_pid, world_size=2)
     assert run_distributed(_pid, world_size=2) == first
@@ -170,6 +180,7 @@ def test_workers_are_reused_across_calls() -> None:
     assert pid == first[0] and "test_workers_are_reused_across_calls" in str(name)
 
 
+@newest_mcore
 def test_fresh_runs_get_new_processes_and_leave_the_pool_alone() -> None:
     pooled = run_distributed(_pid, world_size=2)
     fresh = run_distributed(_pid, world_size=2, fresh=True)
@@ -186,6 +197,7 @@ def _rank0_hangs(rank: int, world_size: int) -> None:
         time.sleep(600)
 
 
+@newest_mcore
 def test_a_timeout_kills_the_pool_instead_of_hanging() -> None:
     before = run_distributed(_pid, world_size=2)
     start = time.monotonic()
@@ -214,6 +226,7 @@ def _teardown_time_and_end(rank: int, world_size: int, tmp: str) -> float:
     return time.time()
 
 
+@newest_mcore
 def test_no_rank_tears_down_before_every_rank_has_finished(tmp_path: Path) -> None:
     """A rank whose function is done must keep its process group until every peer's function is done: gloo
     returns from init_process_group on one rank while a slower peer still completes the handshake, and an
@@ -247,6 +260,7 @@ def _process_state(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
+@newest_mcore
 def test_a_call_leaves_nothing_behind_for_the_next(tmp_path: Path) -> None:
     before = run_distributed(_process_state, world_size=2)
     run_distributed(_dirty_the_process, world_size=2, args=(str(tmp_path),))
@@ -284,6 +298,7 @@ def test_megatron_state_does_not_leak_into_the_next_call() -> None:
     assert run_distributed(_megatron_state, world_size=2) == [(False, False, False)] * 2
 
 
+@newest_mcore
 def test_a_changed_caller_environment_gets_new_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     before = run_distributed(_pid, world_size=1)
     monkeypatch.setenv("VERL_TEST_CALLER_VAR", "x")
@@ -291,6 +306,7 @@ def test_a_changed_caller_environment_gets_new_workers(monkeypatch: pytest.Monke
     assert value == "x" and pid != before[0]  # spawned with the caller's environment, as a fresh run is
 
 
+@newest_mcore
 def test_sharing_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VERL_TEST_FRESH_WORKERS", "1")
     first = run_distributed(_pid, world_size=1)
