@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# Issue 36, parts 3 and 5, the next runs on 4 GPUs (one device command, about 8 minutes; everything packed
-# into OUT/issue36_e.tgz), Triton LM head throughout:
-#   part 5: data-parallel scaling of the 1.5B shape with a baseline that has its own spread: DP 1 twice (the
-#     better is the baseline), DP 2, DP 4 with overlap_grad_reduce + overlap_param_gather twice;
-#     best_target.py stores the better DP 4 efficiency;
-#   part 3: Megatron-FSDP optim_grads_params vs DDP + distributed optimizer at four sequences per micro-batch
-#     (16384 tokens) with full activation recompute: a quarter of ZeRO-3's traffic per token, and activations
-#     small enough that the sharded states decide the peak (targets mfsdp_4gpu_memory_ratio / _tokens_ratio).
+# Issue 36, part 5, the next runs on 4 GPUs (one device command, about 6 minutes; everything packed into
+# OUT/issue36_e.tgz), Triton LM head throughout: data-parallel scaling of the 1.5B shape with a baseline that
+# has its own spread: DP 1 twice (the better is the baseline), DP 2, DP 4 with overlap_grad_reduce +
+# overlap_param_gather twice; best_target.py stores the better DP 4 efficiency. Part 3 is issue36_gpu_f.sh.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_e.sh TAG OUT
 set -uo pipefail
 TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
@@ -34,14 +30,5 @@ for i in a b; do
 done
 python3 best_target.py --key dp4_scaling_efficiency --metric scaling_efficiency \
   "results/scaling_1.5b_dp4_fused_overlap_a_$TAG.json" "results/scaling_1.5b_dp4_fused_overlap_b_$TAG.json"
-M=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels
-   --max-token-len 16384 --recompute)
-go 110 "scaling_1.5b_dp4_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" \
-  --out "results/scaling_1.5b_dp4_mt16k_recompute_$TAG.json" --override "${OVERLAP[@]}"
-go 130 "mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" \
-  --versus "results/scaling_1.5b_dp4_mt16k_recompute_$TAG.json" \
-  --out "results/mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG.json" \
-  --target mfsdp_4gpu_memory_ratio:memory_ratio --target mfsdp_4gpu_tokens_ratio:tokens_ratio \
-  --override "$AM.use_megatron_fsdp=true" "+$AM.override_ddp_config.data_parallel_sharding_strategy=optim_grads_params"
 cp results/targets.json "$OUT/results/"
 ls -l "$OUT/results"
