@@ -31,9 +31,8 @@ def _labels(n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
 def _run(fn, *, grads: str):
     outs = fn()
     log_probs, entropy = outs
-    if (
-        grads == "merged"
-    ):  # as the engine's merge: both as columns of one tensor, gradients back as stride-2 views
+    # "merged": as the engine's merge, both as columns of one tensor, gradients back as stride-2 views
+    if grads == "merged":
         lp, ent = torch.cat([log_probs[:, None], entropy[:, None]], dim=1).split([1, 1], dim=1)
         log_probs, entropy, grads = lp.reshape(-1), ent.reshape(-1), "both"
     loss = torch.zeros((), device="cuda")
