@@ -114,3 +114,55 @@ def test_best_target_stores_the_best_record_of_one_device_and_commit(tmp_path: P
     c = record("other_commit.json", 0.6, commit="def5678")
     with pytest.raises(SystemExit, match="different devices or commits"):
         best_target.main(["--key", "k", "--metric", "mfu", "--targets", str(targets), str(a), str(c)])
+
+
+def test_scaling_efficiency_compares_the_same_work_on_one_gpu_type(tmp_path: Path) -> None:
+    """benchmarks/scaling_efficiency.py: per-GPU tokens/s of the run over the fastest one-GPU baseline, stored
+    with the run's device and commit; a baseline of other work, another GPU type or several GPUs is refused by
+    name (the ratio would compare settings or machines, not scaling)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_efficiency
+
+    work = {
+        "shape": "qwen2.5-1.5b",
+        "seq": 4096,
+        "seqs_per_replica": 16,
+        "micro_batch": "m",
+        "recompute": True,
+    }
+
+    def record(name: str, gpus: int, per_gpu: float, **change: object) -> Path:
+        rec = {"device": "NVIDIA H200", "commit": "abc1234", "date": "d", "gpus": gpus, "config": dict(work)}
+        rec["tokens_per_s_per_gpu"] = per_gpu
+        for key, value in change.items():
+            (rec["config"] if key in work else rec)[key] = value
+        path = tmp_path / name
+        path.write_text(json.dumps(rec))
+        return path
+
+    slow, fast, run = (
+        record("a.json", 1, 30000.0),
+        record("b.json", 1, 36000.0),
+        record("dp4.json", 4, 35000.0),
+    )
+    targets, out = tmp_path / "targets.json", tmp_path / "eff.json"
+    argv = ["--run", str(run), "--out", str(out), "--key", "dp4", "--targets", str(targets)]
+    assert scaling_efficiency.main(["--baseline", str(slow), "--baseline", str(fast), *argv]) == 0
+    got = json.loads(targets.read_text())["dp4"]
+    assert (
+        abs(got["value"] - 35000 / 36000) < 1e-12
+        and got["commit"] == "abc1234"
+        and got["gpu"] == "NVIDIA H200"
+    )
+    rec = json.loads(out.read_text())
+    assert rec["baseline_used"] == str(fast) and set(rec["baseline_tokens_per_s_per_gpu"]) == {
+        str(slow),
+        str(fast),
+    }
+    for bad, match in (
+        (record("c.json", 1, 1.0, recompute=False), "config recompute"),
+        (record("d.json", 1, 1.0, device="NVIDIA H100 80GB HBM3"), "device"),
+        (record("e.json", 2, 1.0), "ran on 2 GPUs"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            scaling_efficiency.main(["--baseline", str(bad), *argv])
