@@ -82,6 +82,11 @@ def main() -> None:
         action="store_true",
         help="model.use_fused_kernels=true: the Triton LM head (log-probs and entropy without [T, V] logits)",
     )
+    parser.add_argument(
+        "--vary-batch",
+        action="store_true",
+        help="a new batch every step (seed = step): a loss curve, for comparing layouts over many steps",
+    )
     parser.add_argument("--override", nargs="*", default=[], help="more verl config overrides (key=value)")
     parser.add_argument("--baseline", type=Path, default=None, help="the one-GPU record to compare with")
     parser.add_argument("--versus", type=Path, default=None, help="another layout's record of the same work")
@@ -135,6 +140,8 @@ def main() -> None:
         for step in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             dist.barrier()
+            if args.vary_batch:
+                batch = {**make_batch(lengths, vocab=vocab, seed=step), "calculate_entropy": True}
             start = time.perf_counter()
             out = engine.train_batch(batch, loss_fn)
             torch.cuda.synchronize()
@@ -207,6 +214,9 @@ def main() -> None:
                 "fused_kernels": args.fused_kernels,
                 "recompute": args.recompute,
                 "micro_batch": numbers_micro_batch(args),
+                "batch": "a new batch every step (seed = step)"
+                if args.vary_batch
+                else "the same batch every step",
                 "overrides": layout,
                 "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
                 "peak_bf16_tflops": PEAK_BF16_TFLOPS,

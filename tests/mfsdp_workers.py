@@ -30,11 +30,15 @@ def train_steps(
     strategy: str | None,
     path: str | None = None,
     ckpt: str | None = None,
+    shape: tuple[int, int, int] = (128, 256, 4),
+    override: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``steps`` Adam steps of a tiny Qwen2 on fixed data with DDP + distributed optimizer or Megatron-FSDP.
 
-    ``path``: None = our provider with a 4-layer hidden-128 model; "provider" / "mbridge" / "spec" = the tiny
-    model of that construction path (construction_workers.make_provider).
+    ``path``: None = our provider with a model of ``shape`` (hidden, intermediate, layers); "provider" /
+    "mbridge" / "spec" = the tiny model of that construction path (construction_workers.make_provider).
+    ``override``: more override_ddp_config keys for the Megatron-FSDP run. ``peak_bytes``: the most memory
+    the training steps allocated on this GPU, beyond what construction left allocated.
     """
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -54,7 +58,10 @@ def train_steps(
     init_parallel(device="cuda")
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(0)
-    hf = tiny_hf_config("qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=4).to_dict()
+    hidden, intermediate, layers = shape
+    hf = tiny_hf_config(
+        "qwen2", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers
+    ).to_dict()
     tf = hf_to_transformer_config(hf, dtype="bfloat16")
     provider = GPTModelProvider(hf_config=hf, transformer_config=tf, device="cuda")
     if path is not None:
@@ -63,7 +70,7 @@ def train_steps(
         provider = make_provider(path, ckpt=ckpt)
     opt_cfg = adam_config()
     if backend_kind == "fsdp":
-        override = {"data_parallel_sharding_strategy": strategy} if strategy else {}
+        override = {**({"data_parallel_sharding_strategy": strategy} if strategy else {}), **(override or {})}
         chunks = make_megatron_fsdp_module(
             provider, wrap_config=WrapConfig(use_megatron_fsdp=True), override_ddp_config=override
         )
@@ -78,8 +85,21 @@ def train_steps(
     attach_training_hooks(chunks, opt)
     gen = torch.Generator("cuda").manual_seed(100 + rank)
     data = [torch.randint(0, 128, (4, 32), device="cuda", generator=gen) for _ in range(2)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     results = [schedule_step([chunks], opt, data) for _ in range(steps)]
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
     losses = [r.loss for r in results]
     norms = [r.grad_norm for r in results]
     synced = synchronize_megatron_fsdp_params(chunks) if backend_kind == "fsdp" else None
-    return {"losses": losses, "grad_norms": norms, "wrapper": type(chunks[0]).__name__, "synced": synced}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "wrapper": type(chunks[0]).__name__,
+        "synced": synced,
+        "peak_bytes": peak,
+        # q and o (h x h), k and v (GQA: half the heads), gate, up and down: biases and norms left out
+        "layer_params": 3 * hidden * hidden + 3 * hidden * intermediate,
+    }

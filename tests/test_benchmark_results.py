@@ -166,3 +166,40 @@ def test_scaling_efficiency_compares_the_same_work_on_one_gpu_type(tmp_path: Pat
     ):
         with pytest.raises(SystemExit, match=match):
             scaling_efficiency.main(["--baseline", str(bad), *argv])
+
+
+def test_loss_curves_agree_within_a_measured_bf16_band(tmp_path: Path) -> None:
+    """benchmarks/loss_curves.py: the run agrees when its largest relative difference from the reference is within
+    2 x that of the reference re-run with another gradient-reduction precision; exit 1 when it is not; curves of
+    a fixed batch, other work or another length are refused by name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import loss_curves
+
+    def record(name: str, losses: list[float], **config: object) -> Path:
+        base = {"shape": "s", "seq": 4096, "batch": "a new batch every step (seed = step)"}
+        rec = {"device": "NVIDIA H200", "commit": "abc1234", "date": "d", "config": {**base, **config}}
+        rec["losses"] = losses
+        path = tmp_path / name
+        path.write_text(json.dumps(rec))
+        return path
+
+    ref = record("ref.json", [1.0, 0.9, 0.8])
+    noise = record("noise.json", [1.0, 0.901, 0.798])  # band 2.5e-3
+    out = tmp_path / "out.json"
+
+    def check(run: Path) -> int:
+        argv = ["--reference", str(ref), "--noise", str(noise), "--run", str(run), "--out", str(out)]
+        return loss_curves.main(argv)
+
+    assert check(record("good.json", [1.0, 0.903, 0.796])) == 0  # 5e-3 <= 2 x 2.5e-3
+    got = json.loads(out.read_text())
+    assert got["agree_within_noise"] is True and abs(got["noise_band"] - 2.5e-3) < 1e-12
+    assert check(record("bad.json", [1.0, 0.9, 0.79])) == 1  # 1.25e-2
+    assert json.loads(out.read_text())["agree_within_noise"] is False
+    for bad, match in (
+        (record("fixed.json", [1.0, 0.9, 0.8], batch="the same batch every step"), "same batch every step"),
+        (record("other.json", [1.0, 0.9, 0.8], seq=2048), "config seq"),
+        (record("short.json", [1.0, 0.9]), "2 steps"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            check(bad)

@@ -164,3 +164,54 @@ def test_from_the_verl_config_section() -> None:
         False,
     )
     assert ddp.use_distributed_optimizer and ddp.check_for_nan_in_grad
+
+
+def _unit_sizes(rank: int, world_size: int) -> dict[str, object]:
+    """A tiny Qwen2 built on the CPU: our communication-unit size against its layers' parameter counts."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from verl_mcore_utils.model import build_gpt_model
+    from verl_mcore_utils.parallel import init_parallel
+    from verl_mcore_utils.presets import qwen2_preset
+    from verl_mcore_utils.transformer_config import hf_to_transformer_config
+    from verl_mfsdp.settings import fsdp_communication_unit_size, with_communication_unit_size
+
+    init_parallel(device="cpu")
+    hf = qwen2_preset("tiny", vocab_size=128)
+    model = build_gpt_model(
+        hf_config=hf, tf_config=hf_to_transformer_config(hf, dtype="float32"), device="cpu"
+    )
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    ddp = megatron_fsdp_ddp_config(wrap_config=FSDP)
+
+    def kept(override: dict) -> object:
+        config = megatron_fsdp_ddp_config(wrap_config=FSDP, override_ddp_config=override)
+        return with_communication_unit_size(
+            config, chunks=[model], override_ddp_config=override
+        ).suggested_communication_unit_size
+
+    return {
+        "layer_params": [sum(p.numel() for p in layer.parameters()) for layer in layers],
+        "model_params": sum(p.numel() for p in model.parameters()),
+        "size": fsdp_communication_unit_size([model]),
+        "no_units": fsdp_communication_unit_size([torch.nn.Linear(4, 4)]),
+        "filled": with_communication_unit_size(ddp, chunks=[model]).suggested_communication_unit_size,
+        "kept": kept({"suggested_communication_unit_size": 12345}),
+        "kept_null": kept({"suggested_communication_unit_size": None}),
+        "default": ddp.suggested_communication_unit_size,
+    }
+
+
+def test_the_communication_unit_is_two_fsdp_units_unless_set() -> None:
+    """Megatron-FSDP's reduce-scatter queue and all-gather prefetch are sized by suggested_communication_unit_size;
+    megatron-core's default floors it at 1e9 elements, so a model under a few billion parameters queues almost all
+    its gradients unsharded. The wrapper fills in twice the mean FSDP unit (a transformer layer); a value the user
+    sets, null included, is kept."""
+    from verl_mcore_utils.testing import run_distributed
+
+    (got,) = run_distributed(_unit_sizes, world_size=1)
+    layers = got["layer_params"]
+    assert len(layers) >= 2 and got["size"] == 2 * -(-sum(layers) // len(layers))
+    assert got["size"] < got["model_params"]  # a bound the queue can reach, unlike megatron-core's 1e9
+    assert got["filled"] == got["size"] and got["no_units"] is None
+    assert got["kept"] == 12345 and got["kept_null"] is None and got["default"] is None

@@ -20,7 +20,13 @@ from verl_mfsdp.offload import (
     onload_megatron_fsdp_model,
     onload_megatron_fsdp_optimizer,
 )
-from verl_mfsdp.settings import SHARDING_STRATEGIES, megatron_fsdp_ddp_config, megatron_fsdp_defaults
+from verl_mfsdp.settings import (
+    SHARDING_STRATEGIES,
+    fsdp_communication_unit_size,
+    megatron_fsdp_ddp_config,
+    megatron_fsdp_defaults,
+    with_communication_unit_size,
+)
 from verl_mfsdp.wrap import (
     make_megatron_fsdp_module,
     make_megatron_fsdp_optimizer,
@@ -34,6 +40,7 @@ __all__ = [
     "CHECKPOINT_INFO_FILE",
     "SHARDING_STRATEGIES",
     "export_megatron_fsdp_hf_weights",
+    "fsdp_communication_unit_size",
     "load_megatron_fsdp_checkpoint",
     "load_megatron_fsdp_local_state",
     "make_megatron_fsdp_module",
@@ -50,4 +57,5 @@ __all__ = [
     "restart_megatron_fsdp_param_sync",
     "save_megatron_fsdp_checkpoint",
     "synchronize_megatron_fsdp_params",
+    "with_communication_unit_size",
 ]

@@ -11,19 +11,36 @@ The settings are computed by :func:`megatron_fsdp_ddp_config` and handed to verl
   in the fields the installed megatron-core reads (0.19 ignores grad_reduce_in_fp32 for FSDP);
 * ``override_ddp_config`` wins for everything else; ``grad_reduce_in_fp32: false`` there switches the
   per-release gradient dtype fields together;
-* pipeline parallelism and an unknown sharding strategy are errors.
+* pipeline parallelism and an unknown sharding strategy are errors;
+* ``suggested_communication_unit_size``, when absent, is twice the mean parameter count of the model's FSDP unit
+  modules (:func:`fsdp_communication_unit_size`, applied by the wrapper, which has the model).
+
+Why the last rule: megatron-core's default bounds how many unsharded gradient elements may wait in the
+reduce-scatter queue, and how many gathered parameter elements are prefetched (half of it). Its code computes
+"twice an FSDP unit" and then raises it to at least 1e9 elements (0.16 to 0.19: ``max`` where its comment says
+"cap"; 0.14 and 0.15: 1e9 outright). On a model of a few billion parameters that lets almost the whole model's gradients
+sit unsharded in the queue (1e9 fp32 elements, 4 GB) plus 5e8 prefetched parameters. On 4 x H200 at 1.5B,
+Megatron-FSDP ``optim_grads_params`` peaked 2.6 GiB above its sharded state plus DDP's transient memory, and 2.9 GiB
+higher with fp32 than with bf16 gradients: about what a full queue explains (docs/benchmarks.md; the A/B on GPUs
+is pending). Twice a unit is the intent the code states: the unit being reduced and the next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from verl_mcore_utils.compat import megatron_fsdp_grad_precision
 from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
 
-__all__ = ["SHARDING_STRATEGIES", "megatron_fsdp_ddp_config", "megatron_fsdp_defaults"]
+__all__ = [
+    "SHARDING_STRATEGIES",
+    "fsdp_communication_unit_size",
+    "megatron_fsdp_ddp_config",
+    "megatron_fsdp_defaults",
+    "with_communication_unit_size",
+]
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _DTYPE_NAMES = {
@@ -108,3 +125,58 @@ def megatron_fsdp_ddp_config(
         override_ddp_config=overrides,
         path_defaults=defaults,
     )
+
+
+def _fsdp_unit_classes() -> tuple[type, ...]:
+    """The module classes megatron-core's FSDP adapter makes FSDP units under ``optim_grads_params``.
+
+    Every release from 0.14 has TransformerLayer (MoETransformerLayer, 0.19, subclasses it); MambaLayer
+    joins where the release has it.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    classes: list[type] = [TransformerLayer]
+    try:
+        from megatron.core.ssm.mamba_layer import MambaLayer
+    except ImportError:  # a release or an install without the SSM layers
+        pass
+    else:
+        classes.append(MambaLayer)
+    return tuple(classes)
+
+
+def fsdp_communication_unit_size(chunks: Sequence[Any]) -> int | None:
+    """Twice the mean parameter count (elements) of the FSDP unit modules in ``chunks`` (None without units).
+
+    Megatron-FSDP uses this number as the reduce-scatter queue's capacity and half of it as the all-gather
+    prefetch size, so it keeps about one unit reducing and one prefetched (the module docstring says why
+    megatron-core's own default is far larger). Counted on this rank's (tensor-parallel) parameters, before
+    wrapping, as megatron-core counts them.
+    """
+    units = _fsdp_unit_classes()
+    sizes = [
+        sum(p.numel() for p in module.parameters())
+        for chunk in chunks
+        for module in chunk.modules()
+        if isinstance(module, units)
+    ]
+    if not sizes:
+        return None
+    return 2 * -(-sum(sizes) // len(sizes))
+
+
+def with_communication_unit_size(
+    ddp_config: Any, *, chunks: Sequence[Any], override_ddp_config: Mapping[str, Any] | None = None
+) -> Any:
+    """``ddp_config`` with :func:`fsdp_communication_unit_size` filled in, unless the user set the field.
+
+    A value in ``override_ddp_config`` (including an explicit null: megatron-core's default) is kept as given.
+    """
+    if "suggested_communication_unit_size" in dict(override_ddp_config or {}):
+        return ddp_config
+    if not hasattr(ddp_config, "suggested_communication_unit_size"):
+        return ddp_config
+    size = fsdp_communication_unit_size(chunks)
+    if size is None:
+        return ddp_config
+    return replace(ddp_config, suggested_communication_unit_size=size)

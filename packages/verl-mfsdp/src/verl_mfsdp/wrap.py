@@ -24,7 +24,7 @@ from verl_mcore_utils.compat import (
 )
 from verl_mcore_utils.ddp import WrapConfig
 from verl_mcore_utils.module import ModelProvider, PreWrapHook, get_model_config, make_megatron_module
-from verl_mfsdp.settings import megatron_fsdp_ddp_config
+from verl_mfsdp.settings import megatron_fsdp_ddp_config, with_communication_unit_size
 
 __all__ = [
     "make_megatron_fsdp_module",
@@ -60,6 +60,9 @@ def make_megatron_fsdp_module(
     from megatron.core.distributed import FullyShardedDataParallel
 
     config = get_model_config(chunks)
+    ddp_config = with_communication_unit_size(
+        ddp_config, chunks=chunks, override_ddp_config=override_ddp_config
+    )
     _broadcast_from_data_parallel_source(chunks, parallel_state)
     wrapped = [
         FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
