@@ -5,15 +5,7 @@
 # overlap_param_gather twice; best_target.py stores the better DP 4 efficiency. Part 3 is issue36_gpu_f.sh.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_e.sh TAG OUT
 set -uo pipefail
-TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
-cd "$(dirname "$0")"
-RUN=(python3 -m torch.distributed.run --standalone)
-mkdir -p "$OUT/results"
-. ./_go.sh  # go LIMIT NAME CMD...
-go_filter() { grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-300 | tail -3; }  # JSON records and errors only
-trap 'tar czf "$OUT/issue36_e.tgz" -C "$OUT" results; rm -rf "$OUT/results"' EXIT
-AM=actor_rollout_ref.actor.megatron
-OVERLAP=("+$AM.override_ddp_config.overlap_grad_reduce=true" "+$AM.override_ddp_config.overlap_param_gather=true")
+. "$(dirname "$0")/_issue36.sh" issue36_e "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
 S=(--shape qwen2.5-1.5b --seq 4096 --steps 4 --warmup 2 --seqs-per-replica 16 --fused-kernels)
 for i in a b; do
   go 90 "scaling_1.5b_dp1_fused_${i}_$TAG" "${RUN[@]}" --nproc-per-node 1 scaling_gpu.py "${S[@]}" \

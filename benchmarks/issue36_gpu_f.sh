@@ -11,29 +11,19 @@
 #     to separate the gradient dtype's share from the micro-batch size's.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_f.sh TAG OUT
 set -uo pipefail
-TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
-cd "$(dirname "$0")"
-RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 4)
-mkdir -p "$OUT/results"
-. ./_go.sh  # go LIMIT NAME CMD...
-go_filter() { grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-300 | tail -3; }  # JSON records and errors only
-trap 'tar czf "$OUT/issue36_f.tgz" -C "$OUT" results; rm -rf "$OUT/results"' EXIT
-AM=actor_rollout_ref.actor.megatron
-OVERLAP=("+$AM.override_ddp_config.overlap_grad_reduce=true" "+$AM.override_ddp_config.overlap_param_gather=true")
-FSDP=("$AM.use_megatron_fsdp=true" "+$AM.override_ddp_config.data_parallel_sharding_strategy=optim_grads_params")
-BF16=("+$AM.override_ddp_config.grad_reduce_in_fp32=false")
+. "$(dirname "$0")/_issue36.sh" issue36_f "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
 S=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels)
 M=("${S[@]}" --max-token-len 16384 --recompute)
 DDP16="results/scaling_1.5b_dp4_mt16k_recompute_$TAG.json"
-go 110 "scaling_1.5b_dp4_mt16k_recompute_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" --out "$DDP16" \
+go 110 "scaling_1.5b_dp4_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "$DDP16" \
   --override "${OVERLAP[@]}"
-go 130 "mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" --versus "$DDP16" \
+go 130 "mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --versus "$DDP16" \
   --out "results/mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG.json" --override "${FSDP[@]}"
-go 130 "mfsdp_1.5b_optim_grads_params_bf16grads_mt16k_recompute_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" \
+go 130 "mfsdp_1.5b_optim_grads_params_bf16grads_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" \
   --versus "$DDP16" --out "results/mfsdp_1.5b_optim_grads_params_bf16grads_mt16k_recompute_$TAG.json" \
   --target mfsdp_4gpu_memory_ratio:memory_ratio --target mfsdp_4gpu_tokens_ratio:tokens_ratio \
   --override "${FSDP[@]}" "${BF16[@]}"
-go 110 "mfsdp_1.5b_optim_grads_params_bf16grads_$TAG" "${RUN[@]}" scaling_gpu.py "${S[@]}" \
+go 110 "mfsdp_1.5b_optim_grads_params_bf16grads_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${S[@]}" \
   --out "results/mfsdp_1.5b_optim_grads_params_bf16grads_$TAG.json" --override "${FSDP[@]}" "${BF16[@]}"
 cp results/targets.json "$OUT/results/"
 ls -l "$OUT/results"

@@ -6,24 +6,15 @@
 # minutes; everything packed into OUT/issue36_i.tgz).
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_i.sh TAG OUT
 set -uo pipefail
-TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
-cd "$(dirname "$0")"
-RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 4)
-mkdir -p "$OUT/results"
-. ./_go.sh  # go LIMIT NAME CMD...
-go_filter() { grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-300 | tail -3; }  # JSON records and errors only
-trap 'tar czf "$OUT/issue36_i.tgz" -C "$OUT" results; rm -rf "$OUT/results"' EXIT
-AM=actor_rollout_ref.actor.megatron
-OVERLAP=("+$AM.override_ddp_config.overlap_grad_reduce=true" "+$AM.override_ddp_config.overlap_param_gather=true")
-FSDP=("$AM.use_megatron_fsdp=true" "+$AM.override_ddp_config.data_parallel_sharding_strategy=optim_grads_params")
+. "$(dirname "$0")/_issue36.sh" issue36_i "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
 M=(--shape qwen2.5-1.5b --seq 4096 --steps 49 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len 16384
   --recompute --vary-batch)
-go 200 "curve50_ddp_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_$TAG.json" \
+go 200 "curve50_ddp_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_$TAG.json" \
   --override "${OVERLAP[@]}"
-go 200 "curve50_ddp_fp32reduce_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_fp32reduce_$TAG.json" \
+go 200 "curve50_ddp_fp32reduce_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_fp32reduce_$TAG.json" \
   --override "${OVERLAP[@]}" "+$AM.override_ddp_config.grad_reduce_in_fp32=true"
-go 200 "curve50_mfsdp_bf16_$TAG" "${RUN[@]}" scaling_gpu.py "${M[@]}" --out "results/curve50_mfsdp_bf16_$TAG.json" \
-  --override "${FSDP[@]}" "+$AM.override_ddp_config.grad_reduce_in_fp32=false"
+go 200 "curve50_mfsdp_bf16_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "results/curve50_mfsdp_bf16_$TAG.json" \
+  --override "${FSDP[@]}" "${BF16[@]}"
 python3 loss_curves.py --reference "results/curve50_ddp_$TAG.json" --noise "results/curve50_ddp_fp32reduce_$TAG.json" \
   --run "results/curve50_mfsdp_bf16_$TAG.json" --out "results/curve50_mfsdp_vs_ddp_$TAG.json"
 cp "results/curve50_mfsdp_vs_ddp_$TAG.json" "$OUT/results/" 2>/dev/null
