@@ -61,3 +61,29 @@ def test_field_list_matches_installed_megatron() -> None:
     assert set(ddp_config_fields()) == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     assert "use_distributed_optimizer" in ddp_config_fields()
     assert mcore_version().major == 0 and 14 <= mcore_version().minor <= 19
+
+
+def test_describe_shows_what_decides_communication() -> None:
+    """Records name the DDP settings that decide a run's communication; Megatron-FSDP adds its strategy and the
+    communication unit that sizes its gradient queue and prefetch."""
+    from verl_mcore_utils.ddp import describe_ddp_config
+
+    ddp = build_ddp_config(wrap_config=WrapConfig(), override_ddp_config={"overlap_grad_reduce": True})
+    assert describe_ddp_config(ddp) == {
+        "use_distributed_optimizer": True,
+        "use_megatron_fsdp": False,
+        "overlap_grad_reduce": True,
+        "grad_reduce_in_fp32": False,
+    }
+    fsdp = build_ddp_config(
+        wrap_config=WrapConfig(use_megatron_fsdp=True),
+        override_ddp_config={
+            "data_parallel_sharding_strategy": "optim_grads",
+            "suggested_communication_unit_size": 7,
+        },
+    )
+    got = describe_ddp_config(fsdp)
+    assert (
+        got["data_parallel_sharding_strategy"] == "optim_grads"
+        and got["suggested_communication_unit_size"] == 7
+    )

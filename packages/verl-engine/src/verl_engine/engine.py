@@ -216,13 +216,9 @@ class RLEngine(RouterReplayMixin, ModelForward, WeightExport, Closeable):
         info["optimizer"] = [type(o).__name__ for o in inner if o is not None]
         ddp_config = getattr(self.chunks[0], "ddp_config", None)
         if ddp_config is not None:
-            keys = (
-                "use_distributed_optimizer",
-                "use_megatron_fsdp",
-                "overlap_grad_reduce",
-                "grad_reduce_in_fp32",
-            )
-            info["ddp_config"] = {k: getattr(ddp_config, k) for k in keys if hasattr(ddp_config, k)}
+            from verl_mcore_utils.ddp import describe_ddp_config
+
+            info["ddp_config"] = describe_ddp_config(ddp_config)
         return info
 
     # ------------------------------------------------------------------------------ optimizer

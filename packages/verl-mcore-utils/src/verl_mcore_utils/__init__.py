@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.attention import SDPACoreAttention as SDPACoreAttention
     from verl_mcore_utils.ddp import WrapConfig as WrapConfig
     from verl_mcore_utils.ddp import build_ddp_config as build_ddp_config
+    from verl_mcore_utils.ddp import describe_ddp_config as describe_ddp_config
     from verl_mcore_utils.fused_adam import use_fused_torch_adam as use_fused_torch_adam
     from verl_mcore_utils.model import build_gpt_model as build_gpt_model
     from verl_mcore_utils.model import local_layer_spec as local_layer_spec
@@ -84,6 +85,7 @@ _LAZY: dict[str, str] = {
     "WrapConfig": "verl_mcore_utils.ddp",
     "attach_training_hooks": "verl_mcore_utils.module",
     "build_ddp_config": "verl_mcore_utils.ddp",
+    "describe_ddp_config": "verl_mcore_utils.ddp",
     "build_gpt_model": "verl_mcore_utils.model",
     "build_mtp_block": "verl_mcore_utils.mtp",
     "destroy_parallel": "verl_mcore_utils.parallel",

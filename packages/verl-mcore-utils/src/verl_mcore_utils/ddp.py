@@ -17,7 +17,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 
 from verl_mcore_utils.compat import ddp_config_fields
 
-__all__ = ["WrapConfig", "build_ddp_config"]
+__all__ = ["WrapConfig", "build_ddp_config", "describe_ddp_config"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,17 @@ def build_ddp_config(
         fields["use_megatron_fsdp"] = True
     fields.update(overrides)
     return DistributedDataParallelConfig(**fields)
+
+
+_DESCRIBED = ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce", "grad_reduce_in_fp32")
+_DESCRIBED_FSDP = ("data_parallel_sharding_strategy", "suggested_communication_unit_size")
+
+
+def describe_ddp_config(ddp_config: Any) -> dict[str, Any]:
+    """The DDP settings a benchmark record or a log line should show: what decides a run's communication.
+
+    Megatron-FSDP adds its sharding strategy and its communication unit (the reduce-scatter queue's capacity;
+    half of it is the parameter prefetch), which decide its memory. Fields the installed release lacks are left out.
+    """
+    keys = _DESCRIBED + (_DESCRIBED_FSDP if getattr(ddp_config, "use_megatron_fsdp", False) else ())
+    return {key: getattr(ddp_config, key) for key in keys if hasattr(ddp_config, key)}
