@@ -829,6 +829,9 @@ def gpu_wgrad_fusion_grads(
         *overrides,
     ]
     knob = "actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion"
+    unknown = sorted(set(runs) - {"default", "off", "torch_kernels"})
+    if unknown:  # a misspelt run would otherwise silently be a second "default"
+        raise ValueError(f"runs {unknown}: use default, off or torch_kernels")
     out: list[dict[str, Any]] = []
     for run in runs:
         extra = [f"{knob}=false"] if run == "off" else []
