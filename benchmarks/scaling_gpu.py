@@ -221,6 +221,9 @@ def main() -> None:
                 "flop_counting": "Megatron-LM: full attention s^2, LM head included, training = 3 x forward",
                 "peak_bf16_tflops": PEAK_BF16_TFLOPS,
                 "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+                # torchrun sets OMP_NUM_THREADS=1 for several processes only: a one-process run has one thread
+                # per core, which on a many-core host may slow the host-bound step (issue 36, part 5)
+                "torch_threads": torch.get_num_threads(),
             },
             numbers=numbers,
         )
