@@ -151,7 +151,8 @@ def fsdp_communication_unit_size(chunks: Sequence[Any]) -> int | None:
     Megatron-FSDP uses this number as the reduce-scatter queue's capacity and half of it as the all-gather
     prefetch size, so it keeps about one unit reducing and one prefetched (the module docstring says why
     megatron-core's own default is far larger). Counted on this rank's (tensor-parallel) parameters, before
-    wrapping, as megatron-core counts them.
+    wrapping, as megatron-core counts them. The other strategies (no FSDP units: gradient buckets instead) get
+    the same size: megatron-core floors their queue at the same 1e9 elements.
     """
     units = _fsdp_unit_classes()
     sizes = [
