@@ -9,6 +9,11 @@
   writes the same metrics, bitwise, as the same loop launched as two torchrun-style processes.
 * A rank killed (SIGKILL) while the other waits in a collective makes the call raise ``WorkerGroupError``
   naming the dead rank within seconds, instead of hanging; the group is shut down.
+
+Every group keeps RayWorkerGroup's default ``timeout_s`` (600 s). It only guards against a hang: a rank that
+dies is reported at once (the last test). On a loaded 2-core machine starting the actors and building two
+engines on each can take minutes; a 300 s bound once failed there (issue 35's soak, with more than the soak's
+load on the machine) while nothing was wrong.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def test_ray_dp2_training_matches_the_multiprocess_launcher(model_dir: str, tmp_
         world_size=2,
         args=(model_dir, overrides[len(BASE) + 1 :], batches, str(tmp_path), [1, 2]),
     )[0]["losses"]
-    group = RayWorkerGroup(world_size=2, timeout_s=300)
+    group = RayWorkerGroup(world_size=2)
     try:
         group.build(roles=["actor", "ref"], overrides=overrides)
         losses = []
@@ -92,7 +97,7 @@ def test_two_nodes_get_one_rank_each(tmp_path) -> None:
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        group = RayWorkerGroup(world_size=2, strategy="STRICT_SPREAD", timeout_s=120)
+        group = RayWorkerGroup(world_size=2, strategy="STRICT_SPREAD")
         try:
             assert len(set(group.nodes)) == 2
             assert group.run("barrier_after", 0.0) == [0, 1]  # a collective across the two nodes
@@ -120,7 +125,7 @@ def test_ray_grpo_loop_matches_torchrun_dp2(tmp_path, local_ray) -> None:
     expected = run_distributed(
         grpo_run, world_size=2, args=(str(tmp_path / "torchrun"), overrides, run, False, 1)
     )[0]
-    group = RayWorkerGroup(world_size=2, timeout_s=300)
+    group = RayWorkerGroup(world_size=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the driver's rollout, like the torchrun ranks' (Ray's workers have one)
     try:
@@ -145,7 +150,7 @@ def test_ray_grpo_loop_matches_torchrun_dp2(tmp_path, local_ray) -> None:
 
 
 def test_a_dead_rank_is_an_error_not_a_hang(local_ray) -> None:
-    group = RayWorkerGroup(world_size=2, timeout_s=120)
+    group = RayWorkerGroup(world_size=2)
     pids = group.run("pid")
     failure: list[BaseException] = []
 
