@@ -157,3 +157,23 @@ def update_target(
     }
     save_json(targets, dict(sorted(current.items())))
     return current[key]
+
+
+# What makes two scaling_gpu.py records the same work per replica (compared by scaling_efficiency.py and
+# loss_curves.py before they divide one record's numbers by another's).
+SAME_WORK = ("shape", "seq", "seqs_per_replica", "micro_batch", "recompute", "fused_kernels")
+
+
+def refuse_other_work(
+    name: str, rec: dict[str, Any], ref: dict[str, Any], *, keys: tuple[str, ...] = SAME_WORK
+) -> None:
+    """SystemExit naming the first config key, device or commit where ``rec`` differs from ``ref``: a ratio of
+    such records would compare settings or machines, not what the script measures."""
+    for key in keys:
+        if rec["config"].get(key) != ref["config"].get(key):
+            raise SystemExit(
+                f"{name}: config {key} {rec['config'].get(key)!r} is not the reference's {ref['config'].get(key)!r}"
+            )
+    for key in ("device", "commit"):
+        if rec.get(key) != ref.get(key):
+            raise SystemExit(f"{name}: {key} {rec.get(key)!r} is not the reference's {ref.get(key)!r}")

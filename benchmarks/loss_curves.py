@@ -22,9 +22,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from _record import write_record
+from _record import SAME_WORK as SAME_SCALING_WORK
+from _record import refuse_other_work, write_record
 
-SAME_WORK = ("shape", "seq", "seqs_per_replica", "micro_batch", "recompute", "fused_kernels", "batch")
+SAME_WORK = (*SAME_SCALING_WORK, "batch")
 
 
 def _relative(losses: list[float], ref: list[float]) -> list[float]:
@@ -34,14 +35,7 @@ def _relative(losses: list[float], ref: list[float]) -> list[float]:
 def _check(name: str, rec: dict[str, Any], ref: dict[str, Any]) -> None:
     if rec["config"].get("batch", "").startswith("the same"):
         raise SystemExit(f"{name} ran the same batch every step; a curve needs scaling_gpu.py --vary-batch")
-    for key in SAME_WORK:
-        if rec["config"].get(key) != ref["config"].get(key):
-            raise SystemExit(
-                f"{name}: config {key} {rec['config'].get(key)!r} is not the reference's {ref['config'].get(key)!r}"
-            )
-    for key in ("device", "commit"):
-        if rec.get(key) != ref.get(key):
-            raise SystemExit(f"{name}: {key} {rec.get(key)!r} is not the reference's {ref.get(key)!r}")
+    refuse_other_work(name, rec, ref, keys=SAME_WORK)
     if len(rec["losses"]) != len(ref["losses"]):
         raise SystemExit(f"{name} has {len(rec['losses'])} steps, the reference {len(ref['losses'])}")
 

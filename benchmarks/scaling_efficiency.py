@@ -21,28 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
-from _record import update_target, write_record
+from _record import SAME_WORK, refuse_other_work, update_target, write_record
 
 GOAL = ">= 0.95 (tokens/s per GPU against one GPU)"
-SAME_WORK = ("shape", "seq", "seqs_per_replica", "micro_batch", "recompute", "fused_kernels")
-
-
-def _refuse_unless_comparable(base: dict[str, Any], run: dict[str, Any], base_path: Path) -> None:
-    if base.get("gpus") != 1:
-        raise SystemExit(f"--baseline {base_path} ran on {base.get('gpus')} GPUs, not one")
-    for key in ("device", "commit"):
-        if base.get(key) != run.get(key):
-            raise SystemExit(
-                f"--baseline {base_path}: {key} {base.get(key)!r} differs from the run's {run.get(key)!r}"
-            )
-    for key in SAME_WORK:
-        if base["config"].get(key) != run["config"].get(key):
-            raise SystemExit(
-                f"--baseline {base_path}: config {key} {base['config'].get(key)!r} differs from the run's "
-                f"{run['config'].get(key)!r}; the ratio would compare settings, not scaling"
-            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     run = json.loads(args.run.read_text())
     bases = [(path, json.loads(path.read_text())) for path in args.baseline]
     for path, base in bases:
-        _refuse_unless_comparable(base, run, path)
+        if base.get("gpus") != 1:
+            raise SystemExit(f"--baseline {path} ran on {base.get('gpus')} GPUs, not one")
+        refuse_other_work(f"--baseline {path}", base, run)
     best_path, best = max(bases, key=lambda item: item[1]["tokens_per_s_per_gpu"])
     efficiency = run["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
     record = write_record(
