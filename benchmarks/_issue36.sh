@@ -3,7 +3,9 @@
 # _go.sh (go LIMIT NAME CMD...) with the JSON-and-errors output filter, packs $OUT/results into $OUT/NAME.tgz on
 # exit (the device returns few files; one archive keeps them all), and names what the scripts share: RUN
 # (torchrun, standalone; add --nproc-per-node) and the verl overrides OVERLAP (DDP's overlapped grad reduce and
-# param gather), FSDP (Megatron-FSDP optim_grads_params), BF16 (bf16 gradient reduction).
+# param gather), FSDP (Megatron-FSDP optim_grads_params), BF16 (bf16 gradient reduction). GPUS (environment, default
+# 4): the data-parallel size of scripts that take it; their record names carry it, and only a 4-GPU run writes the
+# *_4gpu targets (TARGETS holds its --target arguments or nothing).
 NAME=${1:?archive name}; TAG=${2:?tag, e.g. h200x4}; OUT=${3:?output dir}
 cd "$(dirname "${BASH_SOURCE[0]}")"
 mkdir -p "$OUT/results"
@@ -11,6 +13,7 @@ mkdir -p "$OUT/results"
 go_filter() { grep -v -i "warn" | grep -E '^\{|rror' | cut -c1-300 | tail -3; }  # JSON records and errors only
 trap 'tar czf "$OUT/$NAME.tgz" -C "$OUT" results; rm -rf "$OUT/results"' EXIT
 RUN=(python3 -m torch.distributed.run --standalone)
+GPUS=${GPUS:-4}
 AM=actor_rollout_ref.actor.megatron
 OVERLAP=("+$AM.override_ddp_config.overlap_grad_reduce=true" "+$AM.override_ddp_config.overlap_param_gather=true")
 FSDP=("$AM.use_megatron_fsdp=true" "+$AM.override_ddp_config.data_parallel_sharding_strategy=optim_grads_params")
