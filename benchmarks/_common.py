@@ -237,7 +237,9 @@ class StepProfile:
     how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
     compute kernel overlapped (exposed communication), and how much compute ran. ``BENCH_PROFILE_KIND=python``:
     cProfile of the host instead (what Python spends a host-bound step on), top 60 functions by own time and
-    by cumulative time, to ``<dir>/<label>_python_rank<r>.txt``.
+    by cumulative time, to ``<dir>/<label>_python_rank<r>.txt``. ``BENCH_PROFILE_KIND=memory``: the allocator's
+    history over the step, replayed to its peak (:mod:`_memory_peak`): which sites hold the transient memory
+    then, as JSON to ``<dir>/<label>_memory_rank<r>.txt``.
     """
 
     def __init__(self) -> None:
@@ -245,15 +247,41 @@ class StepProfile:
 
         self.folder = os.environ.get("BENCH_PROFILE_DIR")
         self.kind = os.environ.get("BENCH_PROFILE_KIND", "torch")
-        if self.kind not in ("torch", "python"):
-            raise SystemExit(f"BENCH_PROFILE_KIND={self.kind!r}: use torch or python")
+        if self.kind not in ("torch", "python", "memory"):
+            raise SystemExit(f"BENCH_PROFILE_KIND={self.kind!r}: use torch, python or memory")
 
     def __call__(self, label: str):
         import contextlib
 
         if not self.folder:
             return contextlib.nullcontext()
+        if self.kind == "memory":
+            return self._memory(label)
         return self._python(label) if self.kind == "python" else self._profiled(label)
+
+    def _memory(self, label: str):
+        import contextlib
+
+        from _memory_peak import peak_composition
+
+        @contextlib.contextmanager
+        def run():
+            _sync()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+            try:
+                yield
+            finally:
+                _sync()
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                summary = peak_composition(snapshot, device=torch.cuda.current_device())
+                summary["allocated_before_gib"] = before / float(1 << 30)
+                summary["max_allocated_gib"] = torch.cuda.max_memory_allocated() / float(1 << 30)
+                self._path(f"{label}_memory").write_text(json.dumps(summary, indent=1) + "\n")
+
+        return run()
 
     def _path(self, name: str) -> Path:
         import torch.distributed as dist

@@ -203,3 +203,38 @@ def test_loss_curves_agree_within_a_measured_bf16_band(tmp_path: Path) -> None:
     ):
         with pytest.raises(SystemExit, match=match):
             check(bad)
+
+
+def test_the_memory_peak_is_replayed_from_the_allocator_trace_and_charged_to_our_frames() -> None:
+    """``BENCH_PROFILE_KIND=memory``: the highest total of live blocks, and who holds them then, in torch's
+    snapshot format. A block freed before the peak is not charged; one freed after it is; ``free_requested``
+    alone does not free (the stream may still use the memory)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _memory_peak import peak_composition
+
+    gather = [
+        {"filename": "torch/distributed/c10d.py", "line": 1, "name": "all_gather"},
+        {"filename": "site-packages/megatron/core/distributed/fsdp/x.py", "line": 7, "name": "gather"},
+    ]
+    logits = [{"filename": "site-packages/verl_engine/head.py", "line": 3, "name": "logits"}]
+    gib = 1 << 30
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": gather},
+        {"action": "alloc", "addr": 2, "size": gib, "frames": logits},
+        {"action": "free_requested", "addr": 2, "size": gib},
+        {
+            "action": "alloc",
+            "addr": 3,
+            "size": gib,
+            "frames": gather,
+        },  # the peak: 4 GiB, addr 2 not yet freed
+        {"action": "free_completed", "addr": 2, "size": gib},
+        {"action": "free_completed", "addr": 1, "size": 2 * gib},
+        {"action": "alloc", "addr": 4, "size": gib, "frames": logits},
+    ]
+    got = peak_composition({"device_traces": [[], trace]}, device=1)
+    assert got["peak_gib"] == 4.0 and got["events"] == 7
+    assert got["sites"] == [
+        {"gib": 3.0, "blocks": 2, "site": "megatron/core/distributed/fsdp/x.py:7 gather"},
+        {"gib": 1.0, "blocks": 1, "site": "verl_engine/head.py:3 logits"},
+    ]
