@@ -64,7 +64,8 @@ def test_field_list_matches_installed_megatron() -> None:
 
 
 def test_describe_shows_what_decides_communication() -> None:
-    """Records name the DDP settings that decide a run's communication; Megatron-FSDP adds its strategy and the
+    """Records name the DDP settings that decide a run's communication (overlap_param_gather included: without it
+    the optimizer step all-gathers every parameter bucket at once); Megatron-FSDP adds its strategy and the
     communication unit that sizes its gradient queue and prefetch."""
     from verl_mcore_utils.ddp import describe_ddp_config
 
@@ -73,6 +74,7 @@ def test_describe_shows_what_decides_communication() -> None:
         "use_distributed_optimizer": True,
         "use_megatron_fsdp": False,
         "overlap_grad_reduce": True,
+        "overlap_param_gather": False,
         "grad_reduce_in_fp32": False,
     }
     fsdp = build_ddp_config(

@@ -66,7 +66,13 @@ def build_ddp_config(
     return DistributedDataParallelConfig(**fields)
 
 
-_DESCRIBED = ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce", "grad_reduce_in_fp32")
+_DESCRIBED = (
+    "use_distributed_optimizer",
+    "use_megatron_fsdp",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_fp32",
+)
 _DESCRIBED_FSDP = ("data_parallel_sharding_strategy", "suggested_communication_unit_size")
 
 
