@@ -19,10 +19,11 @@ Why the last rule: megatron-core's default bounds how many unsharded gradient el
 reduce-scatter queue, and how many gathered parameter elements are prefetched (half of it). Its code computes
 "twice an FSDP unit" and then raises it to at least 1e9 elements (0.16 to 0.19: ``max`` where its comment says
 "cap"; 0.14 and 0.15: 1e9 outright). On a model of a few billion parameters that lets almost the whole model's gradients
-sit unsharded in the queue (1e9 fp32 elements, 4 GB) plus 5e8 prefetched parameters. On 4 x H200 at 1.5B,
-Megatron-FSDP ``optim_grads_params`` peaked 2.6 GiB above its sharded state plus DDP's transient memory, and 2.9 GiB
-higher with fp32 than with bf16 gradients: about what a full queue explains (docs/benchmarks.md; the A/B on GPUs
-is pending). Twice a unit is the intent the code states: the unit being reduced and the next one.
+sit unsharded in the queue (1e9 fp32 elements, 4 GB) plus 5e8 prefetched parameters. Twice a unit is the intent
+the code states: the unit being reduced and the next one. Measured: at a small shape the peak is lower with it
+(``tests/test_gpu_mfsdp.py``); at the 1.5B shape on 2 x H200 with bf16 gradient reduction it lowers the peak by
+only 0.06 GiB, so it is not what makes Megatron-FSDP's step allocate about 2.6 GiB more than DDP's there
+(docs/benchmarks.md, which names the A/B's records).
 """
 
 from __future__ import annotations
