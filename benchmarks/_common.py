@@ -269,7 +269,7 @@ class StepProfile:
             _sync()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+            torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
             try:
                 yield
             finally:
