@@ -267,6 +267,8 @@ class StepProfile:
         @contextlib.contextmanager
         def run():
             _sync()
+            # max_allocated_gib is this step's peak; the caller's later max_memory_allocated() is then this
+            # step's too (scaling_gpu.py's record): steady-state steps peak alike, so the record means the same.
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)

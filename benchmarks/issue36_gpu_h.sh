@@ -11,7 +11,7 @@ set -uo pipefail
 TARGETS=()
 [ "$GPUS" = 4 ] && TARGETS=(--target mfsdp_4gpu_memory_ratio:memory_ratio --target mfsdp_4gpu_tokens_ratio:tokens_ratio)
 MCORE_UNIT=("+$AM.override_ddp_config.suggested_communication_unit_size=1000000000")
-M=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len 16384 --recompute)
+M=("${STEP16K[@]}" --steps 3 --warmup 1)
 DDP16="results/scaling_1.5b_dp${GPUS}_mt16k_recompute_unit_$TAG.json"
 go 110 "scaling_1.5b_dp${GPUS}_mt16k_recompute_unit_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "$DDP16" \
   --override "${OVERLAP[@]}"

@@ -7,8 +7,7 @@
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_i.sh TAG OUT
 set -uo pipefail
 . "$(dirname "$0")/_issue36.sh" issue36_i "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
-M=(--shape qwen2.5-1.5b --seq 4096 --steps 49 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len 16384
-  --recompute --vary-batch)
+M=("${STEP16K[@]}" --steps 49 --warmup 1 --vary-batch)
 go 200 "curve50_ddp_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_$TAG.json" \
   --override "${OVERLAP[@]}"
 go 200 "curve50_ddp_fp32reduce_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_fp32reduce_$TAG.json" \

@@ -9,7 +9,7 @@
 # GPUS=2 bash benchmarks/issue36_gpu_k.sh TAG OUT
 set -uo pipefail
 . "$(dirname "$0")/_issue36.sh" issue36_k "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, GPUS
-M=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len 16384 --recompute)
+M=("${STEP16K[@]}" --steps 3 --warmup 1)
 go 130 "mfsdp_1.5b_ogp_bf16grads_mt16k_dp${GPUS}_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" \
   --out "results/mfsdp_1.5b_ogp_bf16grads_mt16k_dp${GPUS}_$TAG.json" --override "${FSDP[@]}" "${BF16[@]}"
 go 130 "mfsdp_1.5b_ogp_bf16grads_mt16k_paramoverlap_dp${GPUS}_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py \

@@ -9,7 +9,7 @@
 set -uo pipefail
 . "$(dirname "$0")/_issue36.sh" issue36_l "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, GPUS
 trap 'cp -r /tmp/prof_l "$OUT/results/" 2>/dev/null; tar czf "$OUT/issue36_l.tgz" -C "$OUT" results; rm -rf "$OUT/results"' EXIT
-M=(--shape qwen2.5-1.5b --seq 4096 --steps 1 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len 16384 --recompute)
+M=("${STEP16K[@]}" --steps 1 --warmup 1)
 export BENCH_PROFILE_KIND=memory BENCH_PROFILE_DIR=/tmp/prof_l
 go 120 "memory_1.5b_dp${GPUS}_ddp_mt16k_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" \
   --out "results/memory_1.5b_dp${GPUS}_ddp_mt16k_$TAG.json" --override "${OVERLAP[@]}"
