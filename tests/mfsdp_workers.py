@@ -32,13 +32,15 @@ def train_steps(
     ckpt: str | None = None,
     shape: tuple[int, int, int] = (128, 256, 4),
     override: dict[str, Any] | None = None,
+    fused_adam: bool = True,
 ) -> dict[str, Any]:
     """``steps`` Adam steps of a tiny Qwen2 on fixed data with DDP + distributed optimizer or Megatron-FSDP.
 
     ``path``: None = our provider with a model of ``shape`` (hidden, intermediate, layers); "provider" /
     "mbridge" / "spec" = the tiny model of that construction path (construction_workers.make_provider).
     ``override``: more override_ddp_config keys for the Megatron-FSDP run. ``peak_bytes``: the most memory
-    the training steps allocated on this GPU, beyond what construction left allocated.
+    the training steps allocated on this GPU, beyond what construction left allocated. ``fused_adam``: torch's
+    fused Adam kernel (the default) or its foreach one; ``adam_fused`` reports what the param groups ran.
     """
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -47,6 +49,7 @@ def train_steps(
     from verl_mcore_utils.ddp import WrapConfig
     from verl_mcore_utils.hf_testing import tiny_hf_config
     from verl_mcore_utils.module import GPTModelProvider, attach_training_hooks, make_megatron_module
+    from verl_mcore_utils.offload import inner_torch_optimizer, leaf_optimizers
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.transformer_config import hf_to_transformer_config
     from verl_mfsdp.wrap import (
@@ -74,14 +77,14 @@ def train_steps(
         chunks = make_megatron_fsdp_module(
             provider, wrap_config=WrapConfig(use_megatron_fsdp=True), override_ddp_config=override
         )
-        opt = make_megatron_fsdp_optimizer(opt_cfg, chunks)
+        opt = make_megatron_fsdp_optimizer(opt_cfg, chunks, fused_adam=fused_adam)
     else:
         chunks = make_megatron_module(
             provider,
             wrap_config=WrapConfig(use_distributed_optimizer=True),
             override_ddp_config={"grad_reduce_in_fp32": True},
         )
-        opt = make_megatron_optimizer(opt_cfg, chunks)
+        opt = make_megatron_optimizer(opt_cfg, chunks, fused_adam=fused_adam)
     attach_training_hooks(chunks, opt)
     gen = torch.Generator("cuda").manual_seed(100 + rank)
     data = [torch.randint(0, 128, (4, 32), device="cuda", generator=gen) for _ in range(2)]
@@ -100,6 +103,13 @@ def train_steps(
         "wrapper": type(chunks[0]).__name__,
         "synced": synced,
         "peak_bytes": peak,
+        "adam_fused": sorted(
+            {
+                bool(g.get("fused"))
+                for leaf in leaf_optimizers(opt)
+                for g in inner_torch_optimizer(leaf).param_groups
+            }
+        ),
         # q and o (h x h), k and v (GQA: half the heads), gate, up and down: biases and norms left out
         "layer_params": 3 * hidden * hidden + 3 * hidden * intermediate,
     }

@@ -21,13 +21,16 @@ __all__ = ["use_fused_torch_adam"]
 
 
 def _fusable(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's own Adam / AdamW over plain (not DTensor) floating CUDA tensors only."""
+    """torch's own Adam / AdamW over floating CUDA tensors: plain, or DTensors (Megatron-FSDP's sharded main
+    weights; torch's fused kernel has a DTensor rule, so each rank updates its local shard in one kernel)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False  # TE / Apex FusedAdam (already fused), SGD, a hybrid CPU optimizer, ...
+    from torch.distributed.tensor import DTensor
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return (
         bool(params)
-        and all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params)
+        and all(type(p) in (torch.nn.Parameter, torch.Tensor) or isinstance(p, DTensor) for p in params)
         and all(p.is_cuda and p.is_floating_point() for p in params)
     )
 
@@ -36,7 +39,9 @@ def use_fused_torch_adam(optimizer: Any) -> int:
     """Switch every torch Adam / AdamW inside ``optimizer`` (megatron's or torch's) to the fused kernel.
 
     Returns how many torch optimizers were switched (0: nothing to do, e.g. TE's FusedAdam is in use or the
-    parameters are on the CPU or are DTensors, where torch's fused kernel does not apply). Existing
+    parameters are on the CPU). Megatron-FSDP's DTensor parameters are switched too: there torch's foreach
+    Adam also allocates an fp32 temporary the size of the rank's whole shard (the peak of a Megatron-FSDP step at
+    DP 2, benchmarks/issue36_gpu_l.sh), the fused kernel none. Existing
     ``step`` counters move to the parameters' device as float32 tensors, which the fused kernel requires.
     """
     switched = 0

@@ -88,13 +88,19 @@ def _broadcast_from_data_parallel_source(chunks: Sequence[torch.nn.Module], para
                 torch.distributed.broadcast(param.data, src=src, group=group)
 
 
-def make_megatron_fsdp_optimizer(optimizer_config: Any, model_chunks: Sequence[torch.nn.Module]) -> Any:
-    """megatron-core's optimizer for Megatron-FSDP chunks (0.14's OptimizerConfig also needs the flag)."""
+def make_megatron_fsdp_optimizer(
+    optimizer_config: Any, model_chunks: Sequence[torch.nn.Module], *, fused_adam: bool = True
+) -> Any:
+    """megatron-core's optimizer for Megatron-FSDP chunks (0.14's OptimizerConfig also needs the flag).
+
+    ``fused_adam``: where megatron-core fell back to torch's Adam, run torch's fused kernel on the sharded
+    DTensor main weights (:func:`verl_mcore_utils.use_fused_torch_adam`); the foreach default also allocates
+    an fp32 temporary the size of the whole local shard at every step."""
     if hasattr(optimizer_config, "use_megatron_fsdp"):
         optimizer_config.use_megatron_fsdp = True
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("Megatron-FSDP needs OptimizerConfig(use_distributed_optimizer=True)")
-    return make_megatron_optimizer(optimizer_config, list(model_chunks))
+    return make_megatron_optimizer(optimizer_config, list(model_chunks), fused_adam=fused_adam)
 
 
 def synchronize_megatron_fsdp_params(model_chunks: Sequence[torch.nn.Module]) -> int:
