@@ -94,6 +94,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_grouped_experts.py",
             "tests/test_gpu_wgrad_fusion.py",
             "tests/test_gpu_mfsdp.py",
+            "tests/test_gpu_mfsdp_memory.py",
         ),
         210,
     ),
@@ -129,8 +130,9 @@ CHUNKS: tuple[Chunk, ...] = (
             "packages/verl-dyncp/tests/test_attention.py",
             "packages/verl-mcore-utils/tests/test_bridges.py",
         ),
-        370,  # 296 s green at 3a365bb, plus the communication-unit A/B (two more 2-GPU runs)
+        370,  # 492 s at 721c67c with the memory tests, now in fsdpmem2: 5 two-GPU runs of about 60 s, 30 s more
     ),
+    Chunk("fsdpmem2", 2, ("tests/test_gpu_mfsdp_memory.py",), 150),  # 2 tests of 2 runs, 61 + 70 s at 721c67c
     Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 230),
     Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 170),
 )
