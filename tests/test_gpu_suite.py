@@ -56,3 +56,40 @@ def test_the_report_is_green_only_when_every_chunk_of_the_machine_ran_green(tmp_
     assert gpu_suite.report(tmp_path) == 1  # a chunk not run is not green
     with pytest.raises(gpu_suite.SuiteError, match="no chunk records"):
         gpu_suite.report(tmp_path / "empty")
+
+
+def test_a_chunk_that_cannot_finish_in_the_budget_left_is_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[str] = []
+
+    class Done:  # a chunk's pytest process that has already exited
+        returncode = 0
+
+        def poll(self) -> int:
+            return 0
+
+    def fake_start(chunk: gpu_suite.Chunk, ids: list[int], *, out: Path, env: dict[str, str]) -> Done:
+        started.append(chunk.name)
+        return Done()
+
+    monkeypatch.setattr(gpu_suite, "_start", fake_start)
+    monkeypatch.setattr(gpu_suite.time, "sleep", lambda seconds: None)  # the poll interval
+    # two 2-GPU chunks on 2 GPUs run one after the other, the longer first
+    first, second = sorted(
+        (c for c in gpu_suite.CHUNKS if c.name in ("lifecycle2", "fsdpmem2")), key=lambda c: -c.seconds
+    )
+    assert second.seconds > 100
+    machine = {"gpu": "NVIDIA H200", "gpus": 2}
+    # the first chunk starts whatever its time; the second does not fit the ~98 s left
+    rc = gpu_suite.run(out=tmp_path, chunk_names="lifecycle2,fsdpmem2", commit="abc", budget_s=100, env={},
+                       machine=machine)  # fmt: skip
+    assert rc == 1 and started == [first.name]
+    assert (
+        f"{second.name}: not started (its last green run took {second.seconds} s" in capsys.readouterr().out
+    )
+    assert not (tmp_path / f"{second.name}.json").exists()  # no record: the report counts it as not run
+    started.clear()
+    gpu_suite.run(out=tmp_path / "b", chunk_names="lifecycle2,fsdpmem2", commit="abc", budget_s=1000, env={},
+                  machine=machine)  # fmt: skip
+    assert started == [first.name, second.name]
