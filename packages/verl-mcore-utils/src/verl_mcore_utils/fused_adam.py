@@ -25,12 +25,16 @@ def _fusable(optimizer: torch.optim.Optimizer) -> bool:
     weights; torch's fused kernel has a DTensor rule, so each rank updates its local shard in one kernel)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False  # TE / Apex FusedAdam (already fused), SGD, a hybrid CPU optimizer, ...
-    from torch.distributed.tensor import DTensor
-
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without torch.distributed has no DTensors either
+        dtensor: tuple[type, ...] = ()
+    else:
+        dtensor = (DTensor,)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return (
         bool(params)
-        and all(type(p) in (torch.nn.Parameter, torch.Tensor) or isinstance(p, DTensor) for p in params)
+        and all(type(p) in (torch.nn.Parameter, torch.Tensor) or isinstance(p, dtensor) for p in params)
         and all(p.is_cuda and p.is_floating_point() for p in params)
     )
 
