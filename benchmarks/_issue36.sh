@@ -3,11 +3,11 @@
 # _go.sh (go LIMIT NAME CMD...) with the JSON-and-errors output filter, packs $OUT/results into $OUT/NAME.tgz on
 # exit (the device returns few files; one archive keeps them all), and names what the scripts share: RUN
 # (torchrun, standalone; add --nproc-per-node) and the verl overrides OVERLAP (DDP's overlapped grad reduce and
-# param gather), FSDP (Megatron-FSDP optim_grads_params), BF16 (bf16 gradient reduction). GPUS (environment, default
-# 4): the data-parallel size of scripts that take it; their record names carry it, and only a 4-GPU run writes the
-# *_4gpu targets (TARGETS holds its --target arguments or nothing). STEP16K: the part-3 step of issue36_gpu_f.sh
-# on (1.5B shape, 16 sequences of 4096 tokens per replica, Triton LM head, 16K-token micro-batches, full recompute);
-# a script adds its step counts.
+# param gather), FSDP (Megatron-FSDP optim_grads_params), BF16 (bf16 gradient reduction), DDP (OVERLAP + BF16).
+# GPUS (environment, default 4): the data-parallel size of scripts that take it; their record names carry it, and
+# only a 4-GPU run writes the *_4gpu targets (TARGETS holds its --target arguments or nothing). STEP16K: the
+# part-3 step of issue36_gpu_f.sh on (1.5B shape, 16 sequences of 4096 tokens per replica, Triton LM head,
+# 16K-token micro-batches, full recompute); a script adds its step counts.
 NAME=${1:?archive name}; TAG=${2:?tag, e.g. h200x4}; OUT=${3:?output dir}
 cd "$(dirname "${BASH_SOURCE[0]}")"
 mkdir -p "$OUT/results"
@@ -21,3 +21,6 @@ OVERLAP=("+$AM.override_ddp_config.overlap_grad_reduce=true" "+$AM.override_ddp_
 STEP16K=(--shape qwen2.5-1.5b --seq 4096 --seqs-per-replica 16 --fused-kernels --max-token-len 16384 --recompute)
 FSDP=("$AM.use_megatron_fsdp=true" "+$AM.override_ddp_config.data_parallel_sharding_strategy=optim_grads_params")
 BF16=("+$AM.override_ddp_config.grad_reduce_in_fp32=false")
+# DDP + distributed optimizer as every issue-36 record ran it: overlapped, bf16 gradient reduction (the engine's
+# default until it took verl's fp32 default, verl_engine.build.VERL_DDP_DEFAULTS), the precision of the FSDP runs
+DDP=("${OVERLAP[@]}" "${BF16[@]}")

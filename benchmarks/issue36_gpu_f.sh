@@ -11,12 +11,12 @@
 #     to separate the gradient dtype's share from the micro-batch size's.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_f.sh TAG OUT
 set -uo pipefail
-. "$(dirname "$0")/_issue36.sh" issue36_f "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
+. "$(dirname "$0")/_issue36.sh" issue36_f "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, DDP
 S=(--shape qwen2.5-1.5b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels)
 M=("${S[@]}" --max-token-len 16384 --recompute)
 DDP16="results/scaling_1.5b_dp4_mt16k_recompute_$TAG.json"
 go 110 "scaling_1.5b_dp4_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "$DDP16" \
-  --override "${OVERLAP[@]}"
+  --override "${DDP[@]}"
 go 130 "mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --versus "$DDP16" \
   --out "results/mfsdp_1.5b_optim_grads_params_mt16k_recompute_$TAG.json" --override "${FSDP[@]}"
 go 130 "mfsdp_1.5b_optim_grads_params_bf16grads_mt16k_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" \

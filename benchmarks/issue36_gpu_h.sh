@@ -8,14 +8,14 @@
 # default "unit1e9 fp32"): which of the last two run; VARIANTS="" runs only the two that set the targets.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_h.sh TAG OUT
 set -uo pipefail
-. "$(dirname "$0")/_issue36.sh" issue36_h "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
+. "$(dirname "$0")/_issue36.sh" issue36_h "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, DDP
 TARGETS=()
 [ "$GPUS" = 4 ] && TARGETS=(--target mfsdp_4gpu_memory_ratio:memory_ratio --target mfsdp_4gpu_tokens_ratio:tokens_ratio)
 MCORE_UNIT=("+$AM.override_ddp_config.suggested_communication_unit_size=1000000000")
 M=("${STEP16K[@]}" --steps 3 --warmup 1)
 DDP16="results/scaling_1.5b_dp${GPUS}_mt16k_recompute_unit_$TAG.json"
 go 110 "scaling_1.5b_dp${GPUS}_mt16k_recompute_unit_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "$DDP16" \
-  --override "${OVERLAP[@]}"
+  --override "${DDP[@]}"
 go 130 "mfsdp_1.5b_ogp_bf16grads_mt16k_unit2_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --versus "$DDP16" \
   --out "results/mfsdp_1.5b_ogp_bf16grads_mt16k_unit2_$TAG.json" \
   "${TARGETS[@]}" \

@@ -6,10 +6,10 @@
 # minutes; everything packed into OUT/issue36_i.tgz).
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_i.sh TAG OUT
 set -uo pipefail
-. "$(dirname "$0")/_issue36.sh" issue36_i "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
+. "$(dirname "$0")/_issue36.sh" issue36_i "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, DDP
 M=("${STEP16K[@]}" --steps 49 --warmup 1 --vary-batch)
 go 200 "curve50_ddp_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_$TAG.json" \
-  --override "${OVERLAP[@]}"
+  --override "${DDP[@]}"
 go 200 "curve50_ddp_fp32reduce_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "results/curve50_ddp_fp32reduce_$TAG.json" \
   --override "${OVERLAP[@]}" "+$AM.override_ddp_config.grad_reduce_in_fp32=true"
 go 200 "curve50_mfsdp_bf16_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" --out "results/curve50_mfsdp_bf16_$TAG.json" \

@@ -10,12 +10,12 @@
 # Needs H200s: the DDP run does not fit an 80 GB H100.
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_gpu_j.sh TAG OUT
 set -uo pipefail
-. "$(dirname "$0")/_issue36.sh" issue36_j "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16
+. "$(dirname "$0")/_issue36.sh" issue36_j "$@"  # TAG OUT; RUN, go, OVERLAP, FSDP, BF16, DDP
 MAXTOK=${MAXTOK:-16384}; MT="mt$((MAXTOK / 1024))k"
 M=(--shape qwen2.5-7b --seq 4096 --steps 3 --warmup 1 --seqs-per-replica 16 --fused-kernels --max-token-len "$MAXTOK" --recompute)
 DDP16="results/scaling_7b_dp4_${MT}_recompute_$TAG.json"
 go 200 "scaling_7b_dp4_${MT}_recompute_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --out "$DDP16" \
-  --override "${OVERLAP[@]}"
+  --override "${DDP[@]}"
 go 200 "mfsdp_7b_ogp_bf16grads_${MT}_unit2_$TAG" "${RUN[@]}" --nproc-per-node 4 scaling_gpu.py "${M[@]}" --versus "$DDP16" \
   --out "results/mfsdp_7b_ogp_bf16grads_${MT}_unit2_$TAG.json" --override "${FSDP[@]}" "${BF16[@]}"
 ls -l "$OUT/results"

@@ -12,7 +12,7 @@ trap 'cp -r /tmp/prof_l "$OUT/results/" 2>/dev/null; tar czf "$OUT/issue36_l.tgz
 M=("${STEP16K[@]}" --steps 1 --warmup 1)
 export BENCH_PROFILE_KIND=memory BENCH_PROFILE_DIR=/tmp/prof_l
 go 120 "memory_1.5b_dp${GPUS}_ddp_mt16k_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" \
-  --out "results/memory_1.5b_dp${GPUS}_ddp_mt16k_$TAG.json" --override "${OVERLAP[@]}"
+  --out "results/memory_1.5b_dp${GPUS}_ddp_mt16k_$TAG.json" --override "${DDP[@]}"
 go 130 "memory_1.5b_dp${GPUS}_mfsdp_bf16_mt16k_$TAG" "${RUN[@]}" --nproc-per-node "$GPUS" scaling_gpu.py "${M[@]}" \
   --out "results/memory_1.5b_dp${GPUS}_mfsdp_bf16_mt16k_$TAG.json" --override "${FSDP[@]}" "${BF16[@]}"
 python3 -c "import json,glob

@@ -135,3 +135,36 @@ def critic_lora_step(
         "lora": None if engine.lora is None else (int(engine.lora.rank), float(engine.lora.alpha)),
         "actor_lora_rank": int(cfg.actor_rollout_ref.model.lora.rank),
     }
+
+
+def gradient_reduction_dtypes(
+    rank: int, world_size: int, model_dir: str, layouts: list[list[str]]
+) -> list[bool]:
+    """Per layout: ``grad_reduce_in_fp32`` of the DDP config the actor's chunks get on GPUs. The CPU debug
+    backend takes bare chunks, so the provider and settings the build hands to ``make_megatron_module`` are
+    captured and turned into the DDP config as on a GPU (``wrap_with_ddp`` set)."""
+    import dataclasses
+
+    import verl_mcore_utils.module as module
+    from verl_mcore_utils.ddp import build_ddp_config
+
+    real = module.make_megatron_module
+    seen: list[Any] = []
+
+    def capture(provider: Any, *, wrap_config: Any, override_ddp_config: Any = None, **kwargs: Any) -> Any:
+        seen.append(
+            build_ddp_config(
+                wrap_config=dataclasses.replace(wrap_config, wrap_with_ddp=True),
+                override_ddp_config=override_ddp_config,
+                path_defaults=provider.ddp_defaults,
+            )
+        )
+        return real(provider, wrap_config=wrap_config, override_ddp_config=override_ddp_config, **kwargs)
+
+    module.make_megatron_module = capture
+    try:
+        for overrides in layouts:
+            _engine(overrides, "actor", model_dir, "cpu")
+    finally:
+        module.make_megatron_module = real
+    return [ddp.grad_reduce_in_fp32 for ddp in seen]

@@ -11,6 +11,9 @@ The evidence of verl_engine.config_support.RULES for keys no other test covers:
 * ``megatron.forward_only`` (actor, critic): true builds no optimizer and no schedule, freezes every
   parameter and refuses ``train_batch`` (verl's engine builds no optimizer and its worker asserts); the
   forward is unchanged. The reference policy is always forward only (its ``false`` is refused at build).
+* ``megatron.override_ddp_config.grad_reduce_in_fp32``: unset, the actor's DDP reduces gradients in fp32 as verl
+  0.9.1's does (its DDP defaults sit below override_ddp_config; megatron-core's own default is bf16 reduction);
+  set, it wins.
 * ``critic.model.lora.*``: the critic gets its own LoRA adapters (the actor has none): only they and the value
   head train, a value step changes nothing else.
 """
@@ -23,7 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 from rl_engine_workers import verl_batch
-from settings_workers import critic_lora_step, forward_only_engines, ref_micro_batches, seeded_builds
+from settings_workers import (
+    critic_lora_step,
+    forward_only_engines,
+    gradient_reduction_dtypes,
+    ref_micro_batches,
+    seeded_builds,
+)
 
 from verl_engine.packed import split_packed_micro_batches
 from verl_mcore_utils.testing import run_distributed
@@ -155,3 +164,10 @@ def test_critic_model_lora_builds_a_lora_critic(model_dir: str, batch: dict) -> 
     plain = run_distributed(critic_lora_step, world_size=1, args=(model_dir, ONE, batch))[0]
     assert plain["lora"] is None and not any(".lora_" in n for n in plain["all"])
     assert torch.equal(got["values"], plain["values"])  # lora_B starts at zero: the same critic at step 0
+
+
+def test_gradients_are_reduced_in_fp32_unless_override_ddp_config_says_otherwise(model_dir: str) -> None:
+    layouts = [ONE, [*ONE, f"+{AM}.override_ddp_config.grad_reduce_in_fp32=false"],
+               [*ONE, f"+{AM}.override_ddp_config.grad_reduce_in_fp32=true"]]  # fmt: skip
+    (fp32,) = run_distributed(gradient_reduction_dtypes, world_size=1, args=(model_dir, layouts))
+    assert fp32 == [True, False, True]
