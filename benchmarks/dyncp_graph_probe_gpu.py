@@ -56,12 +56,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, torch.Tensor, torch.Tens
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     init_parallel(device=args.device)
     if cuda:
-        seed_kwargs = {}
-        if (
-            "use_cudagraphable_rng"
-            in inspect.signature(mcore_random.model_parallel_cuda_manual_seed).parameters
-        ):
-            seed_kwargs["use_cudagraphable_rng"] = True
+        # graph-safe generator states, replacing a tracker init_parallel may have made (force_reset_rng)
+        accepted = inspect.signature(mcore_random.model_parallel_cuda_manual_seed).parameters
+        seed_kwargs = {k: True for k in ("use_cudagraphable_rng", "force_reset_rng") if k in accepted}
         mcore_random.model_parallel_cuda_manual_seed(1234, **seed_kwargs)
     torch.manual_seed(0)
     hf = qwen2_preset("1b", vocab_size=32000, num_hidden_layers=args.layers, max_position_embeddings=32768)
