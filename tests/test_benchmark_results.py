@@ -238,3 +238,34 @@ def test_the_memory_peak_is_replayed_from_the_allocator_trace_and_charged_to_our
         {"gib": 3.0, "blocks": 2, "site": "megatron/core/distributed/fsdp/x.py:7 gather"},
         {"gib": 1.0, "blocks": 1, "site": "verl_engine/head.py:3 logits"},
     ]
+
+
+def test_the_targets_table_in_the_docs_is_the_committed_targets_json() -> None:
+    import targets_table
+
+    targets = json.loads(targets_table.TARGETS.read_text())
+    assert targets_table.table(targets) in (ROOT / "docs" / "benchmarks.md").read_text()
+    assert (
+        targets_table.met(0.95, ">= 0.9 (tokens/s)") == "yes"
+        and targets_table.met(0.88, "<= 0.6 (memory)") == "no"
+    )
+    assert targets_table.met(1.9, "measured bound over static CP 4") == "-"
+
+
+def test_the_targets_table_is_rewritten_in_place(tmp_path: Path) -> None:
+    import targets_table
+
+    targets = tmp_path / "targets.json"
+    one = {
+        "value": 0.5,
+        "goal": "<= 0.6 (x)",
+        "gpu": "G",
+        "commit": "abc",
+        "source": "benchmarks/results/r.json",
+    }
+    targets.write_text(json.dumps({"k": one}))
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# T\n\n{targets_table._HEADER}\n|---|\n| `old` | 1 |\n\nAfter.\n")
+    targets_table.write(doc, targets)
+    assert doc.read_text() == f"# T\n\n{targets_table.table(json.loads(targets.read_text()))}\n\nAfter.\n"
+    assert "| `k` | 0.500 | <= 0.6 (x) | yes | G | abc | `r.json` |" in doc.read_text()
