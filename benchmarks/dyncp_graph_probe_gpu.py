@@ -145,7 +145,7 @@ def main() -> None:
             numbers["graphed"] = _timed(graphed, x_graph, grad_out, iters=args.iters, cuda=True)
             numbers["graphed"]["gpu_ms"] = _gpu_ms(graphed, x_graph, grad_out, iters=args.iters)
             numbers["graphed"].update(_agreement(eager, graphed, x, grad_out))
-            numbers["host_ms_saved_per_layer"] = (
+            numbers["wall_ms_saved_per_layer"] = (
                 numbers["eager"]["wall_ms"] - numbers["graphed"]["wall_ms"]
             ) / args.layers
     config = {"model": f"qwen2 preset 1b, {args.layers} layers, vocab 32000", "layers": args.layers,
