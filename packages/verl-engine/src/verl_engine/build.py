@@ -35,11 +35,7 @@ __all__ = ["ROLES", "build_rl_engine", "load_hf_config", "rl_engine_from_config"
 
 ROLES = ("actor", "ref", "critic")
 _NO_BUDGET = 1 << 40  # the CP layout's token budget is not used: MicroBatching cuts the micro-batches
-# verl 0.9.1 wraps every training model with DDP defaults {grad_reduce_in_fp32: True} below override_ddp_config
-# (verl/utils/megatron_utils.py make_megatron_module; MegatronEngine._resolve_override_ddp_config lowers it only for
-# the precision-aware optimizer, which this engine refuses). megatron-core's own default is False: without this
-# layer a verl config would reduce gradients in bf16 here and in fp32 in verl. Megatron-FSDP's path defaults to
-# fp32 itself (verl_mfsdp.settings).
+# verl 0.9.1's DDP defaults below override_ddp_config (make_megatron_module); megatron-core's default is bf16
 VERL_DDP_DEFAULTS: Mapping[str, Any] = {"grad_reduce_in_fp32": True}
 
 
