@@ -114,7 +114,8 @@ def tests(session: nox.Session, mcore: str) -> None:
     # documented example): what they add per release is covered by the engine's own tests, so they run
     # against the newest megatron-core only.
     # `newest_mcore` tests do not touch megatron-core (the rank harness, interpreted Triton kernels, scripts): a second
-    # run against an older release would test the same thing twice.
+    # run against an older release would test the same thing twice. So are controls that show a test can fail
+    # (the MTP hang control): a property of the test, not of the release.
     # `release` tests need the release tool group and run once, in the `release` session.
     # `verl_reference` tests compare with the published verl wheel, installed here for the newest release only.
     newest = mcore == MCORE_VERSIONS[-1]
