@@ -19,6 +19,11 @@ attention) run forward + backward:
   largest difference to the eager output and input gradient;
 * the GPU time (CUDA events over back-to-back calls) of each: the floor both approach.
 
+* replay: :class:`verl_dyncp.graphed_decoder.GraphedDecoder` captured once for ``GraphSlots(2048, 16)`` and
+  replayed for micro-batches of other layouts (``REPLAY_BATCHES``: 1 to 12 sequences, 1850 to 2048 tokens),
+  each against the eager decoder on the same micro-batch (wall ms, output / input-gradient differences):
+  what the engine would run.
+
 A capture that fails is a result too: the record keeps the error, which names what in the layer is not
 capturable (a host sync, an RNG-state change). ``--device cpu`` runs the eager half only (a dry run of the
 script). Megatron-core's RNG tracker is seeded graph-safe (``use_cudagraphable_rng``) where the release has
@@ -148,12 +153,64 @@ def main() -> None:
             numbers["wall_ms_saved_per_layer"] = (
                 numbers["eager"]["wall_ms"] - numbers["graphed"]["wall_ms"]
             ) / args.layers
+            numbers["replay"] = _replay(decoder, args)
     config = {"model": f"qwen2 preset 1b, {args.layers} layers, vocab 32000", "layers": args.layers,
               "lengths": list(LENGTHS), "tokens": sum(LENGTHS), "cp_size": 1,
               "dtype": "bfloat16" if cuda else "float32", "recompute": False, "iters": args.iters,
               "device": args.device}  # fmt: skip
     record = write_record(args.out, benchmark="dyncp_graph_probe", config=config, numbers=numbers)
     print({k: record[k] for k in ("eager", "graphed") if k in record})
+    for row in record.get("replay", {}).get("batches", []):
+        print(row)
+
+
+# micro-batches of the workload's 2048-token budget with other layouts: one graph (GraphSlots 2048 x 16) serves all
+REPLAY_BATCHES = (
+    (640, 512, 384, 256, 160, 96),
+    (1500, 300),
+    (2048,),
+    (900, 700, 100, 50),
+    (128,) * 12,
+    (1024, 1000),
+)
+
+
+def _replay(decoder: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """verl_dyncp.GraphedDecoder captured once, replayed per micro-batch: times and differences to eager."""
+    from verl_dyncp.graph_layout import GraphSlots
+    from verl_dyncp.graphed_decoder import GraphedDecoder
+    from verl_dyncp.groups import CPGroups
+    from verl_dyncp.layout import thd_packed_seq_params
+    from verl_dyncp.planner import dynamic_cp_split_batch
+
+    dtype = next(decoder.parameters()).dtype
+    hidden = decoder.final_layernorm.weight.shape[0]
+    graphed = GraphedDecoder(
+        decoder, slots=GraphSlots(tokens=2048, sequences=16), hidden_size=hidden, dtype=dtype
+    )
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for lens in REPLAY_BATCHES:
+        tokens = torch.zeros(sum(lens), dtype=torch.long, device="cuda")
+        mb = dynamic_cp_split_batch(tokens, seq_lens=lens, groups=CPGroups(), static_cp_size=1)
+        params = thd_packed_seq_params(mb.batch.meta, cp_group=None)
+        x = torch.randn(sum(lens), 1, hidden, device="cuda", dtype=dtype, generator=gen)
+        g = torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen) * 1e-2
+        eager = _Decoder(decoder, params)
+        replay = lambda h, p=params: graphed(h, packed_seq_params=p)  # noqa: E731
+        xe = x.detach().clone().requires_grad_(True)
+        row: dict[str, Any] = {"lengths": list(lens), "tokens": sum(lens)}
+        row["eager"] = _timed(eager, xe, g, iters=args.iters, cuda=True)
+        row["graphed"] = _timed(replay, xe, g, iters=args.iters, cuda=True)
+        row.update(_agreement(eager, replay, x, g))
+        rows.append(row)
+    median = statistics.median
+    return {
+        "slots": {"tokens": 2048, "sequences": 16},
+        "batches": rows,
+        "eager_wall_ms_median": median(r["eager"]["wall_ms"] for r in rows),
+        "graphed_wall_ms_median": median(r["graphed"]["wall_ms"] for r in rows),
+    }
 
 
 def _agreement(eager: Any, graphed: Any, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, float]:

@@ -84,6 +84,7 @@ CHUNKS: tuple[Chunk, ...] = (
         (
             "packages/verl-dyncp/tests/test_attention.py",
             "packages/verl-dyncp/tests/test_fused_rope.py",
+            "packages/verl-dyncp/tests/test_gpu_graph_layout.py",
             "packages/verl-engine/tests/test_gpu_vocab_kernels.py",
             "packages/verl-mcore-utils/tests/test_bridges.py",
             "packages/verl-mcore-utils/tests/test_gpu_swiglu.py",

@@ -9,6 +9,8 @@ without megatron-core.
 from importlib import metadata as _metadata
 
 from verl_dyncp.cp_context import CPContext, attach_cp_context
+from verl_dyncp.graph_layout import GraphSlots, graph_packed_seq_params, graph_thd_layout, pad_layout_to_slots
+from verl_dyncp.graphed_decoder import GraphedDecoder
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.layout import thd_packed_seq_params
 from verl_dyncp.packing import pack_micro_batches
@@ -60,6 +62,8 @@ __all__ = [  # the names imported above, then every lazy name
     "CPGroups",
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
+    "GraphSlots",
+    "GraphedDecoder",
     "THDBatch",
     "THDPackedMeta",
     "WorkloadModel",
@@ -75,7 +79,10 @@ __all__ = [  # the names imported above, then every lazy name
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
     "global_loss_token_count",
+    "graph_packed_seq_params",
+    "graph_thd_layout",
     "pack_micro_batches",
+    "pad_layout_to_slots",
     "plan_dynamic_cp",
     "postprocess_thd_engine",
     "preprocess_thd_engine",

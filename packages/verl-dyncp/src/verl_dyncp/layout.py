@@ -44,6 +44,9 @@ class ThdLayout:
     max_seqlen_k: int
     # any token past its sequence's true length (False: the output mask is skipped)
     has_padding: bool = True
+    # a fixed-shape layout over a CUDA graph's inputs (verl_dyncp.graph_layout): no per-sequence host
+    # lengths, so the attention must take the varlen path
+    graph_safe: bool = False
     # RoPE cos / sin tables of this micro-batch by (positions, frequencies, dtype, interleaved): computed by
     # the first layer, reused by the others (one table build per micro-batch, not two per layer)
     rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(

@@ -125,11 +125,18 @@ def thd_attention(
     if group_size != layout.cp_size:
         raise ValueError(f"layout is for CP size {layout.cp_size} but the CP group has {group_size} ranks")
     chosen = pick_kernel(q, kernel=kernel, dropout_p=dropout_p)
+    if layout.graph_safe and chosen != "varlen":
+        raise ValueError(
+            f"a graph layout (verl_dyncp.graph_layout) needs the varlen kernel, but kernel={kernel!r} chose"
+            f" {chosen!r} here (varlen needs CUDA, fp16/bf16, no dropout and torch.nn.attention.varlen)"
+        )
     if layout.cp_size > 1:
         kv = _AllGatherRows.apply(torch.cat((k, v), dim=-1), cp_group)
         kv = kv.index_select(0, layout.stream_index if chosen == "varlen" else layout.full_index)
         k, v = kv.split((k.shape[-1], v.shape[-1]), dim=-1)
-    dense = chosen == "varlen" and layout.cp_size == 1 and kernel in ("auto", "cudnn")
+    dense = (
+        chosen == "varlen" and layout.cp_size == 1 and kernel in ("auto", "cudnn") and not layout.graph_safe
+    )
     path = "dense" if dense else chosen
     out = attend(q, k, v, layout=layout, path=path, scale=softmax_scale, dropout_p=dropout_p)
     if layout.has_padding:
