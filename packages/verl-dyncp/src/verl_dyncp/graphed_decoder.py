@@ -6,12 +6,19 @@ Why: at Megatron-LM's dynamic-CP workload shape the eager decoder is launch-boun
 ``torch.cuda.make_graphed_callables`` and, per micro-batch, pads the hidden states, copies the layout in and
 replays. Outputs and input gradients of the micro-batch's own rows come back; the padding rows are cut.
 
-Scope, stated so that nothing is silently wrong: CP size 1, verl-dyncp's attention (the varlen kernel), no
-dropout RNG inside the graph unless megatron-core's tracker is graph-safe, and a decoder whose parameters
-take plain ``.grad`` gradients. Decoders wrapped for megatron-core DDP (parameters with ``main_grad``) are
-refused: its fused weight-gradient accumulation marks each parameter from Python in every backward
-(``grad_added_to_main_grad``), which a replay does not redo, so the DDP hook would add the returned
-placeholder gradient on top.
+Scope, stated so that nothing is silently wrong: CP size 1, verl-dyncp's attention (the varlen kernel), one
+micro-batch in flight, no dropout RNG inside the graph unless megatron-core's tracker is graph-safe.
+
+Decoders wrapped for megatron-core DDP (parameters with ``main_grad``) are refused. Measured: capturing the
+backward of verl-engine's DDP-wrapped decoder failed with ``cudaErrorStreamCaptureImplicit`` ("operation would
+make the legacy stream depend on a capturing blocking stream"; 1 x H200, megatron-core 0.19.2, torch 2.11). The
+likely cause, which torch's AccumulateGrad stream warning names: DDP keeps each parameter's AccumulateGrad node
+alive (its gradient hooks hang there), created on the legacy default stream. Its fused weight-gradient
+accumulation also marks each weight from Python in every backward (``grad_added_to_main_grad``), which a
+replay would not redo.
+
+A graph reads parameters at the addresses of its capture: a call after they moved (an offload and onload) is
+an error naming the fix (:meth:`GraphedDecoder.recapture`), checked on every call.
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ __all__ = ["GraphedDecoder"]
 
 
 class _DecoderOverGraphInputs(torch.nn.Module):
-    """The decoder as a function of tensors only: hidden states and the padded layout (what a graph takes)."""
+    """The decoder as a function of tensors only: hidden states and the padded layout (what a graph takes).
 
-    def __init__(self, decoder: torch.nn.Module, slots: GraphSlots) -> None:
+    ``forward`` is the decoder's own forward, called directly (a caller that replaced ``decoder.forward`` with
+    a dispatcher passes the original, so that the graph does not re-enter the dispatcher).
+    """
+
+    def __init__(self, decoder: torch.nn.Module, slots: GraphSlots, forward: Any) -> None:
         super().__init__()
-        self.decoder, self.slots = decoder, slots
+        self.decoder, self.slots, self._decoder_forward = decoder, slots, forward
 
     def forward(
         self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
@@ -41,7 +52,7 @@ class _DecoderOverGraphInputs(torch.nn.Module):
         params = graph_packed_seq_params(
             cu_seqlens=cu_seqlens, position_ids=position_ids, valid=valid, slots=self.slots
         )
-        return self.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
+        return self._decoder_forward(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
 
 
 class GraphedDecoder:
@@ -61,27 +72,43 @@ class GraphedDecoder:
         hidden_size: int,
         dtype: torch.dtype,
         num_warmup_iters: int = 3,
+        forward: Any = None,
     ) -> None:
-        with_main_grad = [name for name, p in decoder.named_parameters() if hasattr(p, "main_grad")]
-        if with_main_grad:
-            raise ValueError(
-                f"GraphedDecoder: parameter {with_main_grad[0]!r} has main_grad (megatron-core DDP): its fused"
-                " weight-gradient accumulation sets grad_added_to_main_grad from Python in every backward,"
-                " which a graph replay does not; graph the unwrapped decoder"
-            )
-        self.slots = slots
+        refuse_ddp_wrapped(decoder)
+        self.slots, self.decoder = slots, decoder
+        self._hidden_size, self._dtype, self._warmup = hidden_size, dtype, num_warmup_iters
+        self._forward = forward if forward is not None else type(decoder).forward.__get__(decoder)
+        self._params = [p for p in decoder.parameters() if p.requires_grad]
         self._backward_due = False
-        self._device = device = torch.device("cuda", torch.cuda.current_device())
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._graphed: Any = None
+        self._addresses: tuple[int, ...] = ()
+        self.captures = 0
+        self.recapture()
+
+    def recapture(self) -> None:
+        """Capture (again): after the decoder's parameters moved, or to start over."""
+        self._graphed = None  # the old graph's memory goes back before the new capture takes its own
+        slots, device = self.slots, self._device
         sample = (
-            torch.zeros(slots.tokens, 1, hidden_size, dtype=dtype, device=device, requires_grad=True),
+            torch.zeros(
+                slots.tokens, 1, self._hidden_size, dtype=self._dtype, device=device, requires_grad=True
+            ),
             torch.full((slots.sequences + 1,), slots.tokens, dtype=torch.int32, device=device),
             torch.arange(slots.tokens, device=device),
             torch.ones(slots.tokens, dtype=torch.bool, device=device),
         )
         sample[1][0] = 0  # one sequence of the whole budget, then empty slots: a valid layout
-        self._graphed = torch.cuda.make_graphed_callables(
-            _DecoderOverGraphInputs(decoder, slots), sample, num_warmup_iters=num_warmup_iters
-        )
+        module = _DecoderOverGraphInputs(self.decoder, slots, self._forward)
+        self._graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self._warmup)
+        self._addresses = tuple(p.data_ptr() for p in self._params)
+        self._backward_due = False
+        self.captures += 1
+
+    @property
+    def backward_due(self) -> bool:
+        """True between a forward that needs a backward and that backward (the graph holds its activations)."""
+        return self._backward_due
 
     def fits(self, packed_seq_params: Any) -> bool:
         """Whether a CP-1 micro-batch with these params fits the slots (host numbers of its cached layout)."""
@@ -106,6 +133,11 @@ class GraphedDecoder:
                 f"hidden has {hidden.shape[0]} rows but the micro-batch's layout has {layout.num_local_tokens}"
             )
         cu, positions, valid = pad_layout_to_slots(layout, slots=self.slots)
+        if tuple(p.data_ptr() for p in self._params) != self._addresses:
+            raise RuntimeError(
+                "GraphedDecoder: the decoder's parameters moved since the graph was captured (an offload and"
+                " onload?): the graph would read the old addresses; call recapture() first"
+            )
         used = hidden.shape[0]
         padded = F.pad(hidden, (0, 0, 0, 0, 0, self.slots.tokens - used))
         out = self._graphed(padded, cu, positions, valid)
@@ -116,3 +148,16 @@ class GraphedDecoder:
 
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self._backward_due = False
+
+
+def refuse_ddp_wrapped(decoder: torch.nn.Module) -> None:
+    """A decoder whose parameters have ``main_grad`` (megatron-core DDP) cannot be captured: the module's doc."""
+    wrapped = [name for name, p in decoder.named_parameters() if hasattr(p, "main_grad")]
+    if wrapped:
+        raise ValueError(
+            f"GraphedDecoder: parameter {wrapped[0]!r} has main_grad (wrapped for megatron-core DDP), which this"
+            " graph does not support yet: capturing a DDP-wrapped decoder's backward failed with"
+            " cudaErrorStreamCaptureImplicit (DDP keeps AccumulateGrad nodes on the legacy default stream), and its"
+            " fused weight-gradient accumulation marks weights from Python each backward. Under DDP run the"
+            " decoder eagerly"
+        )
