@@ -115,7 +115,8 @@ def tests(session: nox.Session, mcore: str) -> None:
     # against the newest megatron-core only.
     # `newest_mcore` tests do not touch megatron-core (the rank harness, interpreted Triton kernels, scripts): a second
     # run against an older release would test the same thing twice. So are controls that show a test can fail
-    # (the MTP hang control): a property of the test, not of the release.
+    # (the MTP hang control) and checks of our own code that run before or beside the model (batch checks,
+    # checkpoint file atomicity): properties of our code, not of the release.
     # `release` tests need the release tool group and run once, in the `release` session.
     # `verl_reference` tests compare with the published verl wheel, installed here for the newest release only.
     newest = mcore == MCORE_VERSIONS[-1]

@@ -270,6 +270,8 @@ def test_critic_values_are_the_backbone_through_a_value_head(model_dir: str) -> 
     assert rel_err(out["values"], expected) < 1e-5
 
 
+# our batch checks raise before the model runs: the megatron-core release does not enter (newest only)
+@pytest.mark.newest_mcore
 @pytest.mark.parametrize(
     ("change", "loss", "pattern"),
     [
