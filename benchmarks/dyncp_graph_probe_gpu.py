@@ -49,10 +49,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, torch.Tensor, torch.Tens
     """The workload's decoder in bf16, one packed micro-batch's PackedSeqParams, an input, an output grad."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    from verl_dyncp.groups import CPGroups
-    from verl_dyncp.layout import thd_packed_seq_params
     from verl_dyncp.model import build_thd_gpt_model
-    from verl_dyncp.planner import dynamic_cp_split_batch
     from verl_mcore_utils.parallel import init_parallel
     from verl_mcore_utils.presets import qwen2_preset
     from verl_mcore_utils.transformer_config import hf_to_transformer_config
@@ -72,14 +69,23 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, torch.Tensor, torch.Tens
     model = model.to(dtype=torch.bfloat16 if cuda else torch.float32)
     tokens = torch.randint(0, 32000, (sum(LENGTHS),), generator=torch.Generator().manual_seed(1)).to(device)
     # on the device, so is its layout; one GPU: CP 1, the micro-batch's 2048 tokens its budget
-    mb = dynamic_cp_split_batch(tokens, seq_lens=LENGTHS, groups=CPGroups(), static_cp_size=1)
-    params = thd_packed_seq_params(mb.batch.meta, cp_group=None)
-    rows = int(mb.batch.input_ids.shape[0])
+    params, rows = _cp1_params(tokens, LENGTHS)
     gen = torch.Generator(device=device).manual_seed(2)
     dtype = next(model.parameters()).dtype
     x = torch.randn(rows, 1, hf["hidden_size"], device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(x.shape, device=device, dtype=dtype, generator=gen) * 1e-2
     return model.decoder, params, x, grad_out
+
+
+def _cp1_params(tokens: torch.Tensor, lens: tuple[int, ...]) -> tuple[Any, int]:
+    """PackedSeqParams of one CP-1 micro-batch of ``tokens`` in sequences of ``lens`` (layout on their device),
+    and its number of rows."""
+    from verl_dyncp.groups import CPGroups
+    from verl_dyncp.layout import thd_packed_seq_params
+    from verl_dyncp.planner import dynamic_cp_split_batch
+
+    mb = dynamic_cp_split_batch(tokens, seq_lens=lens, groups=CPGroups(), static_cp_size=1)
+    return thd_packed_seq_params(mb.batch.meta, cp_group=None), int(mb.batch.input_ids.shape[0])
 
 
 class _Decoder(torch.nn.Module):
@@ -179,9 +185,6 @@ def _replay(decoder: Any, args: argparse.Namespace) -> dict[str, Any]:
     """verl_dyncp.GraphedDecoder captured once, replayed per micro-batch: times and differences to eager."""
     from verl_dyncp.graph_layout import GraphSlots
     from verl_dyncp.graphed_decoder import GraphedDecoder
-    from verl_dyncp.groups import CPGroups
-    from verl_dyncp.layout import thd_packed_seq_params
-    from verl_dyncp.planner import dynamic_cp_split_batch
 
     dtype = next(decoder.parameters()).dtype
     hidden = decoder.final_layernorm.weight.shape[0]
@@ -191,9 +194,7 @@ def _replay(decoder: Any, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(3)
     rows = []
     for lens in REPLAY_BATCHES:
-        tokens = torch.zeros(sum(lens), dtype=torch.long, device="cuda")
-        mb = dynamic_cp_split_batch(tokens, seq_lens=lens, groups=CPGroups(), static_cp_size=1)
-        params = thd_packed_seq_params(mb.batch.meta, cp_group=None)
+        params, _ = _cp1_params(torch.zeros(sum(lens), dtype=torch.long, device="cuda"), lens)
         x = torch.randn(sum(lens), 1, hidden, device="cuda", dtype=dtype, generator=gen)
         g = torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen) * 1e-2
         eager = _Decoder(decoder, params)

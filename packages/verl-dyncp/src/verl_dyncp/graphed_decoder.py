@@ -61,7 +61,8 @@ class GraphedDecoder:
     ``decoder``: the block (``GPTModel.decoder``) with verl-dyncp's attention, on the current CUDA device, in
     training mode if it will train. ``hidden_size`` and ``dtype``: of its input. Capture runs the forward and
     backward ``num_warmup_iters + 1`` times on a sample batch (``torch.autograd.grad``: parameters' ``.grad``
-    is left alone).
+    is left alone). ``forward``: the decoder's forward to capture, default its class's (a caller that
+    replaced ``decoder.forward`` on the instance passes the one it replaced).
     """
 
     def __init__(
