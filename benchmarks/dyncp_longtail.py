@@ -94,9 +94,20 @@ def lengths_for_steps(
     return out
 
 
+def layout_options(name: str) -> tuple[str, str, bool]:
+    """``(layout, attention backend, decoder graphs)`` of a layout name such as ``dynamic+te`` or
+    ``dynamic+graph``: after ``+`` the attention backend (default auto) and ``graph`` (CUDA graphs of the
+    decoder for CP-1 micro-batches, verl_engine.use_decoder_graphs)."""
+    base, *extras = name.split("+")
+    backends = [e for e in extras if e != "graph"]
+    if len(backends) > 1:
+        raise SystemExit(f"layout {name!r}: at most one attention backend after '+', got {backends}")
+    return base, (backends[0] if backends else "auto"), "graph" in extras
+
+
 def layout_overrides(name: str, args: argparse.Namespace) -> list[str]:
     """The megatron section's CP keys of a layout name: none, static<k>, dynamic[@max_seqlen_per_dp_cp_rank]."""
-    name = name.partition("+")[0]  # "+te": the attention backend, not the layout
+    name = layout_options(name)[0]  # "+te", "+graph": how it runs, not the layout
     if name == "none":
         return ["megatron.context_parallel_size=1"]
     if name.startswith("static"):
@@ -135,7 +146,7 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
             "megatron.use_distributed_optimizer=true",
             "optim.lr=1e-4",
             "optim.lr_warmup_steps=0",
-            f"megatron.packed_attention_backend={name.partition('+')[2] or 'auto'}",
+            f"megatron.packed_attention_backend={layout_options(name)[1]}",
             f"megatron.expert_model_parallel_size={args.ep}",
             *layout_overrides(name, args),
         ],
@@ -160,6 +171,14 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         hf_config=hf,
         total_training_steps=len(steps_lens),
     )
+    if layout_options(name)[2]:
+        from verl_engine.decoder_graphs import use_decoder_graphs
+
+        if not cuda:
+            raise SystemExit(f"layout {name!r}: decoder graphs need the engine on CUDA (--device cuda)")
+        use_decoder_graphs(
+            engine, tokens=args.graph_tokens or args.tokens_per_rank, sequences=args.graph_sequences
+        )
     step_times, losses, plans = [], [], []
     profile = StepProfile()
     real_tokens = []
@@ -204,6 +223,10 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         "losses": losses,
         "micro_batch_cp_sizes_step0": plans,
     }
+    if layout_options(name)[2]:  # how many decoder calls replayed the graph, and why the others did not
+        from verl_engine.decoder_graphs import decoder_graph_counts
+
+        result["decoder_graph_counts"] = decoder_graph_counts(engine)
     engine.close()
     gc.collect()
     if cuda:
@@ -289,11 +312,11 @@ def write_results(
     )
     print(json.dumps(record["speedup_vs_static4_median"]), json.dumps(bound), flush=True)
     if args.targets:
-        if not base or "dynamic" not in medians or bound is None:
-            raise SystemExit("--targets needs the static4 and dynamic layouts and --ideal-from")
+        if not base or args.target_layout not in medians or bound is None:
+            raise SystemExit(f"--targets needs the static4 and {args.target_layout} layouts and --ideal-from")
         update_target(
             "dyncp_megatron_workload_speedup",
-            medians["dynamic"] / base,
+            medians[args.target_layout] / base,
             goal=">= 1.3x over static CP 4 and within 10% of the ideal bound (95% of it if the bound < 1.3x)",
             source=args.out,
             record=record,
@@ -344,6 +367,16 @@ def main() -> None:
         help="the one-GPU no-CP record of the same batches (micro-batch budget = this run's pool budget)",
     )
     parser.add_argument("--targets", action="store_true", help="store the speedups in results/targets.json")
+    parser.add_argument(
+        "--target-layout", default="dynamic", help="the layout whose speedup over static4 --targets stores"
+    )
+    parser.add_argument(
+        "--graph-tokens",
+        type=int,
+        default=None,
+        help="+graph layouts: the graph's token budget (default: per rank)",
+    )
+    parser.add_argument("--graph-sequences", type=int, default=64, help="+graph layouts: sequence slots")
     parser.add_argument("--sigma", type=float, default=1.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-len", type=int, default=256, help="lengths are clipped to [min, max]")

@@ -102,7 +102,11 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("verl-dyncp", "THD zigzag layout", ("test_thd",)),
     ("verl-dyncp", "CP core attention, RoPE kernel", ("test_attention", "test_fused_rope")),
-    ("verl-dyncp", "CUDA-graph layouts, graphed decoder", ("test_graph_layout", "test_gpu_graph_layout")),
+    (
+        "verl-dyncp",
+        "CUDA-graph layouts, graphed decoder, graph dispatcher",
+        ("test_graph_layout", "test_gpu_graph_layout", "test_decoder_graph"),
+    ),
     ("verl-dyncp", "model parity: static and dynamic CP vs no CP", ("test_model_parity",)),
     ("verl-dyncp", "package installs alone", ("test_dyncp_package",)),
     ("verl-mfsdp", "Megatron-FSDP DDP settings per release", ("test_settings",)),
@@ -199,6 +203,8 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "GPU paths",
         (
             "test_gpu_engine*",
+            "test_gpu_decoder_graph",
+            "test_decoder_graphs_cpu",
             "test_gpu_construction",
             "test_gpu_weights",
             "test_gpu_offload",

@@ -63,8 +63,9 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_engine_kernels.py",
             "tests/test_engine_no_host_sync.py",
             "tests/test_engine_optimizer.py",
+            "tests/test_gpu_decoder_graph.py",
         ),
-        225,
+        260,
     ),
     Chunk(
         "state1",

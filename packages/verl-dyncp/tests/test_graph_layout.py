@@ -113,10 +113,13 @@ def test_a_graph_layout_refuses_every_path_but_varlen() -> None:
         thd_attention(q, q, q, layout=layout, cp_group=None)
 
 
-def test_a_decoder_wrapped_for_megatron_ddp_is_refused_with_the_reason() -> None:
+def test_a_ddp_wrapped_decoder_whose_hooks_were_not_moved_is_refused_with_the_reason() -> None:
     from verl_dyncp.graphed_decoder import GraphedDecoder
 
     decoder = torch.nn.Linear(2, 2)
     decoder.weight.main_grad = torch.zeros(2, 2)  # what megatron-core's DDP gives every parameter it wraps
-    with pytest.raises(ValueError, match="parameter 'weight' has main_grad .*cudaErrorStreamCaptureImplicit"):
+    with pytest.raises(
+        ValueError,
+        match="parameter 'weight' has main_grad .*cudaErrorStreamCaptureImplicit.*ddp_hooks_on_parameters",
+    ):
         GraphedDecoder(decoder, slots=GraphSlots(tokens=8, sequences=2), hidden_size=2, dtype=torch.float32)

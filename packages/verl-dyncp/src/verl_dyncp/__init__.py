@@ -9,6 +9,7 @@ without megatron-core.
 from importlib import metadata as _metadata
 
 from verl_dyncp.cp_context import CPContext, attach_cp_context
+from verl_dyncp.decoder_graph import DecoderGraph, install_decoder_graph
 from verl_dyncp.graph_layout import GraphSlots, graph_packed_seq_params, graph_thd_layout, pad_layout_to_slots
 from verl_dyncp.graphed_decoder import GraphedDecoder
 from verl_dyncp.groups import CPGroup, CPGroups
@@ -60,6 +61,7 @@ __all__ = [  # the names imported above, then every lazy name
     "CPContext",
     "CPGroup",
     "CPGroups",
+    "DecoderGraph",
     "DynamicCPMicroBatch",
     "DynamicCPPlan",
     "GraphSlots",
@@ -81,6 +83,7 @@ __all__ = [  # the names imported above, then every lazy name
     "global_loss_token_count",
     "graph_packed_seq_params",
     "graph_thd_layout",
+    "install_decoder_graph",
     "pack_micro_batches",
     "pad_layout_to_slots",
     "plan_dynamic_cp",

@@ -9,16 +9,21 @@ replays. Outputs and input gradients of the micro-batch's own rows come back; th
 Scope, stated so that nothing is silently wrong: CP size 1, verl-dyncp's attention (the varlen kernel), one
 micro-batch in flight, no dropout RNG inside the graph unless megatron-core's tracker is graph-safe.
 
-Decoders wrapped for megatron-core DDP (parameters with ``main_grad``) are refused. Measured: capturing the
-backward of verl-engine's DDP-wrapped decoder failed with ``cudaErrorStreamCaptureImplicit`` ("operation would
-make the legacy stream depend on a capturing blocking stream"; 1 x H200, megatron-core 0.19.2, torch 2.11). The
-likely cause, which torch's AccumulateGrad stream warning names: DDP keeps each parameter's AccumulateGrad node
-alive (its gradient hooks hang there), created on the legacy default stream. Its fused weight-gradient
-accumulation also marks each weight from Python in every backward (``grad_added_to_main_grad``), which a
-replay would not redo.
+Decoders wrapped for megatron-core DDP (parameters with ``main_grad``) are supported once DDP's gradient
+hooks sit on the parameters (:func:`verl_mcore_utils.ddp_hooks_on_parameters`), and refused otherwise.
+Measured: capturing the backward of verl-engine's DDP-wrapped decoder with DDP's hooks in place failed with
+``cudaErrorStreamCaptureImplicit`` (1 x H200, megatron-core 0.19.2, torch 2.11): DDP keeps each parameter's
+AccumulateGrad node alive, made on the legacy default stream. Two more points of DDP are handled here:
 
-A graph reads parameters at the addresses of its capture: a call after they moved (an offload and onload) is
-an error naming the fix (:meth:`GraphedDecoder.recapture`), checked on every call.
+* the fused weight-gradient path (``gradient_accumulation_fusion``) adds a weight's gradient into
+  ``main_grad`` inside the backward, which the graph replays at ``main_grad``'s address, and marks the weight
+  (``grad_added_to_main_grad``) from Python, which a replay does not redo: the weights the capture's eager
+  warm-up marked are marked again on every call, so DDP's hook does not add the placeholder gradient;
+* the capture's warm-up backward passes add into ``main_grad`` too: it is saved (to host memory) before the
+  capture and put back after.
+
+A graph reads parameters (and ``main_grad``) at the addresses of its capture: a call after they moved (an
+offload and onload) is an error naming the fix (:meth:`GraphedDecoder.recapture`), checked on every call.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ class GraphedDecoder:
         num_warmup_iters: int = 3,
         forward: Any = None,
     ) -> None:
-        refuse_ddp_wrapped(decoder)
+        self._ddp_params = ddp_parameters(decoder)
+        self._fused: list[torch.nn.Parameter] = []  # weights whose gradient the graph adds to main_grad
         self.slots, self.decoder = slots, decoder
         self._hidden_size, self._dtype, self._warmup = hidden_size, dtype, num_warmup_iters
         self._forward = forward if forward is not None else type(decoder).forward.__get__(decoder)
@@ -86,6 +92,19 @@ class GraphedDecoder:
         self._addresses: tuple[int, ...] = ()
         self.captures = 0
         self.recapture()
+
+    def release(self) -> None:
+        """Drop the graph and its memory pool (before an offload); the next call needs :meth:`recapture`."""
+        self._graphed = None
+        self._backward_due = False
+
+    def moved(self) -> bool:
+        """Whether the parameters or their ``main_grad`` moved since the capture (or there is no graph)."""
+        return self._graphed is None or self._current_addresses() != self._addresses
+
+    def _current_addresses(self) -> tuple[int, ...]:
+        grads = tuple(p.main_grad.data_ptr() for p in self._ddp_params)
+        return tuple(p.data_ptr() for p in self._params) + grads
 
     def recapture(self) -> None:
         """Capture (again): after the decoder's parameters moved, or to start over."""
@@ -101,8 +120,19 @@ class GraphedDecoder:
         )
         sample[1][0] = 0  # one sequence of the whole budget, then empty slots: a valid layout
         module = _DecoderOverGraphInputs(self.decoder, slots, self._forward)
-        self._graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self._warmup)
-        self._addresses = tuple(p.data_ptr() for p in self._params)
+        ddp = self._ddp_params
+        flags = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in ddp]
+        grads = [p.main_grad.to("cpu", copy=True) for p in ddp]  # the warm-up backward adds into them
+        for p in ddp:
+            p.grad_added_to_main_grad = False
+        try:
+            self._graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self._warmup)
+            self._fused = [p for p in ddp if p.grad_added_to_main_grad]
+        finally:
+            for p, flag, grad in zip(ddp, flags, grads, strict=True):
+                p.grad_added_to_main_grad = flag
+                p.main_grad.copy_(grad)
+        self._addresses = self._current_addresses()
         self._backward_due = False
         self.captures += 1
 
@@ -134,14 +164,18 @@ class GraphedDecoder:
                 f"hidden has {hidden.shape[0]} rows but the micro-batch's layout has {layout.num_local_tokens}"
             )
         cu, positions, valid = pad_layout_to_slots(layout, slots=self.slots)
-        if tuple(p.data_ptr() for p in self._params) != self._addresses:
+        if self.moved():
             raise RuntimeError(
-                "GraphedDecoder: the decoder's parameters moved since the graph was captured (an offload and"
-                " onload?): the graph would read the old addresses; call recapture() first"
+                "GraphedDecoder: no graph, or the decoder's parameters (or their main_grad) moved since the"
+                " graph was captured (an offload and onload?): the graph would read the old addresses; call"
+                " recapture() first"
             )
         used = hidden.shape[0]
         padded = F.pad(hidden, (0, 0, 0, 0, 0, self.slots.tokens - used))
         out = self._graphed(padded, cu, positions, valid)
+        if torch.is_grad_enabled():
+            for p in self._fused:  # what the eager backward's Python would have marked (module doc)
+                p.grad_added_to_main_grad = True
         if padded.requires_grad and torch.is_grad_enabled():
             self._backward_due = True
             padded.register_hook(self._backward_ran)
@@ -151,14 +185,21 @@ class GraphedDecoder:
         self._backward_due = False
 
 
-def refuse_ddp_wrapped(decoder: torch.nn.Module) -> None:
-    """A decoder whose parameters have ``main_grad`` (megatron-core DDP) cannot be captured: the module's doc."""
-    wrapped = [name for name, p in decoder.named_parameters() if hasattr(p, "main_grad")]
-    if wrapped:
+def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The decoder's parameters with ``main_grad`` (megatron-core DDP); refused unless their hooks were moved.
+
+    Without the move the capture fails (cudaErrorStreamCaptureImplicit: the module's doc), so the error says
+    what to call instead of letting the capture fail deep inside torch.
+    """
+    from verl_mcore_utils.ddp_graph_hooks import ddp_hook_is_on_parameter
+
+    wrapped = [(name, p) for name, p in decoder.named_parameters() if hasattr(p, "main_grad")]
+    stuck = [name for name, p in wrapped if not ddp_hook_is_on_parameter(p)]
+    if stuck:
         raise ValueError(
-            f"GraphedDecoder: parameter {wrapped[0]!r} has main_grad (wrapped for megatron-core DDP), which this"
-            " graph does not support yet: capturing a DDP-wrapped decoder's backward failed with"
-            " cudaErrorStreamCaptureImplicit (DDP keeps AccumulateGrad nodes on the legacy default stream), and its"
-            " fused weight-gradient accumulation marks weights from Python each backward. Under DDP run the"
-            " decoder eagerly"
+            f"GraphedDecoder: parameter {stuck[0]!r} has main_grad (wrapped for megatron-core DDP) but DDP's"
+            " gradient hook is still on its AccumulateGrad node, which makes the capture fail with"
+            " cudaErrorStreamCaptureImplicit (DDP keeps those nodes on the legacy default stream): call"
+            " verl_mcore_utils.ddp_hooks_on_parameters(ddp) on the DDP wrapper first, or run the decoder eagerly"
         )
+    return [p for _, p in wrapped]

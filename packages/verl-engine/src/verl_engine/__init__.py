@@ -10,7 +10,8 @@ Public API (the engine core; what drives it lives in :mod:`verl_engine.apps`):
 * Losses (:mod:`verl_engine.losses`: ``ppo_loss``, ``value_loss``, ``sft_loss`` ...) returning device tensors and
   :class:`Metric` values with their :class:`Reduction`; the learning-rate schedule :class:`LRSchedule`;
   vocab-parallel log-probs and entropy (:func:`vocab_parallel_log_probs_and_entropy`); packed batches and CP
-  layouts (:class:`PackedBatch`, :class:`CPLayout`).
+  layouts (:class:`PackedBatch`, :class:`CPLayout`); CUDA graphs of the decoder for CP-1 training
+  micro-batches (:func:`use_decoder_graphs`, :func:`decoder_graph_counts`).
 
 Names load on first use (PEP 562): importing the package does not import megatron-core, so spawned test
 ranks and torch-only users start fast.
@@ -40,10 +41,12 @@ _LAZY: dict[str, str] = {
     "build_rl_engine": "verl_engine.build",
     "check_supported": "verl_engine.refusals",
     "cp_layout_from_config": "verl_engine.packed",
+    "decoder_graph_counts": "verl_engine.decoder_graphs",
     "loss_config": "verl_engine.loss_binding",
     "lr_schedule_from_config": "verl_engine.lr_schedule",
     "rl_engine_from_config": "verl_engine.build",
     "split_packed_micro_batches": "verl_engine.packed",
+    "use_decoder_graphs": "verl_engine.decoder_graphs",
     "vocab_parallel_log_probs_and_entropy": "verl_engine.logprobs",
 }
 

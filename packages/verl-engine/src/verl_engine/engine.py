@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_engine.decoder_graphs import release_decoder_graphs
 from verl_engine.forward import ModelForward, _unwrap
 from verl_engine.lifetime import Closeable
 from verl_engine.metrics import MetricAccumulator
@@ -251,6 +252,7 @@ class RLEngine(RouterReplayMixin, ModelForward, WeightExport, Closeable):
         stays 1x), device memory released; DDP / distributed-optimizer views stay valid. A group already
         offloaded is an error, as is using the engine before :meth:`onload`. Returns the transfer stats.
         """
+        release_decoder_graphs(self)  # their memory pools too; the next fitting micro-batch captures again
         return self._transfer("offload", params=params, grads=grads, optimizer=optimizer)
 
     def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from verl_engine.decoder_graphs import release_decoder_graphs
 from verl_engine.moe import drop_moe_metrics_tracker
 
 __all__ = ["Closeable", "drop_autograd_graphs"]
@@ -43,6 +44,7 @@ class Closeable:
         if self.__dict__.get("_closed"):
             return
         cp_groups = self.__dict__.get("cp_groups")
+        release_decoder_graphs(self, uninstall=True)
         drop_autograd_graphs(self.__dict__.get("model"))
         for name in [n for n in vars(self) if n not in _KEEP]:
             delattr(self, name)

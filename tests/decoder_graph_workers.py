@@ -1,0 +1,65 @@
+"""Per-rank functions of the decoder-graph tests (picklable: module level): the engine's DDP actor trained with
+and without CUDA graphs of its decoder (verl_engine.decoder_graphs), one GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def graph_or_eager_steps(
+    rank: int, world_size: int, hf_config: dict[str, Any], graphs: bool, steps: int = 2
+) -> dict[str, Any]:
+    """``steps`` PPO steps of the actor (two micro-batches each, an offload and onload between steps), with the
+    decoder graphed or eager: per step the loss, the gradient norm and every parameter's fp32 ``main_grad``;
+    then the weights, the dispatcher's counts and the device memory the graph added."""
+    from functools import partial
+
+    from rl_engine_workers import _engine, verl_batch
+
+    from verl_engine.decoder_graphs import decoder_graph_counts, use_decoder_graphs
+    from verl_engine.losses import ppo_loss
+    from verl_mcore_utils.module import unwrap_model
+
+    batch = verl_batch(
+        seed=0, prompt_lens=[5, 9, 3, 7], response_lens=[60, 30, 90, 45], vocab=hf_config["vocab_size"]
+    )
+    engine, cfg = _engine(["trainer.n_gpus_per_node=1"], "actor", "random-init", "cuda", hf_config=hf_config)
+    chunk = engine.model[0] if isinstance(engine.model, list) else engine.model
+    before = torch.cuda.memory_allocated()
+    if graphs:
+        use_decoder_graphs(engine, tokens=512, sequences=8)
+    out: dict[str, Any] = {"graph_bytes": torch.cuda.memory_allocated() - before, "steps": []}
+    loss_fn = partial(ppo_loss, config=cfg.actor_rollout_ref.actor)
+    for step in range(steps):
+        if step:
+            engine.offload()
+            engine.onload()
+        engine.optimizer_zero_grad()
+        with engine.train_mode():
+            result = engine.forward_backward_batch({**batch, "calculate_entropy": True}, loss_fn)
+            grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in chunk.named_parameters()}
+            grad_norm = engine.optimizer_step()
+        out["steps"].append({"loss": float(result["loss"]), "grad_norm": float(grad_norm), "grads": grads})
+    out["params"] = {n: p.detach().float().cpu().clone() for n, p in unwrap_model(chunk).named_parameters()}
+    out["counts"] = decoder_graph_counts(engine)
+    engine.close()
+    return out
+
+
+def cpu_engine_refusal(rank: int, world_size: int, model_dir: str) -> str:
+    """What use_decoder_graphs says for the CPU debug engine (no CUDA graphs there)."""
+    from rl_engine_workers import _engine
+
+    from verl_engine.decoder_graphs import decoder_graph_counts, use_decoder_graphs
+
+    engine, _ = _engine(["trainer.n_gpus_per_node=1"], "actor", model_dir, "cpu")
+    try:
+        use_decoder_graphs(engine, tokens=256)
+        message = "installed"
+    except ValueError as err:
+        message = str(err)
+    assert decoder_graph_counts(engine) == {}
+    engine.close()
+    return message
