@@ -4,6 +4,8 @@ engine are tested on GPUs: tests/test_gpu_decoder_graph.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from verl_mcore_utils.testing import run_distributed
 
 CASES = {  # a TransformerConfig setting changed on the built decoder -> what the error must name
@@ -50,6 +52,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.newest_mcore  # our checks of the block's config, before anything of megatron-core runs
 def test_what_one_graph_cannot_hold_is_refused_by_name() -> None:
     (out,) = run_distributed(_refusals, world_size=1, timeout_s=240)
     assert "the decoder is not on a CUDA device" in out["plain"], out["plain"]
