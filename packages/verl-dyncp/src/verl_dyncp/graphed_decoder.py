@@ -158,6 +158,11 @@ class GraphedDecoder:
                 "GraphedDecoder: the previous micro-batch's backward has not run; the graph holds one"
                 " micro-batch's activations (pipeline schedules with several in flight need one graph each)"
             )
+        if hidden.dtype != self._dtype or hidden.shape[1:] != (1, self._hidden_size):
+            raise ValueError(  # the graph's input buffer would convert silently (copy_ casts)
+                f"hidden is {hidden.dtype} {tuple(hidden.shape)} but the graph was captured for {self._dtype}"
+                f" [tokens, 1, {self._hidden_size}]"
+            )
         layout = thd_layout(packed_seq_params, cp_size=1, cp_rank=0, device=hidden.device)
         if hidden.shape[0] != layout.num_local_tokens:
             raise ValueError(
