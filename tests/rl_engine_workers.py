@@ -12,6 +12,15 @@ from typing import Any
 
 import torch
 
+# a small Qwen2 shape in bf16 (untied embeddings) for one-GPU engine tests built with hf_config (random init)
+SMALL_QWEN2 = {
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256,
+    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 1024, "tie_word_embeddings": False,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
 BASE = [
     "model_engine=megatron",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

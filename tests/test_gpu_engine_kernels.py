@@ -21,16 +21,10 @@ entropy term or a wrong temperature is several percent or more.
 from __future__ import annotations
 
 import pytest
+from rl_engine_workers import SMALL_QWEN2 as HF
 
 from verl_mcore_utils.testing import run_distributed
 
-HF = {
-    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256,
-    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1024, "tie_word_embeddings": False,
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}  # fmt: skip
 OVERRIDES = ("actor_rollout_ref.actor.entropy_coeff=0.01",)
 TOL = 1e-2
 
