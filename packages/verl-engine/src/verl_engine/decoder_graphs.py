@@ -38,7 +38,10 @@ def use_decoder_graphs(engine: Any, *, tokens: int | None = None, sequences: int
     refusals = (
         (engine.device.type != "cuda", f"the engine is on {engine.device} (CUDA graphs need a GPU)"),
         (engine.megatron_fsdp, "Megatron-FSDP shards parameters and gathers them from its own hooks"),
-        (engine.lora is not None, "LoRA's adapter switches (disable_adapter) are Python flags a replay ignores"),
+        (
+            engine.lora is not None,
+            "LoRA's adapter switches (disable_adapter) are Python flags a replay ignores",
+        ),
     )
     for bad, why in refusals:
         if bad:
