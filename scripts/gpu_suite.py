@@ -120,7 +120,7 @@ CHUNKS: tuple[Chunk, ...] = (
             "tests/test_gpu_moe_glm.py",
             "tests/test_gpu_moe_pp.py",
         ),
-        390,
+        460,
     ),
     Chunk("moetp2", 2, ("tests/test_gpu_moe_tp.py",), 230),
     Chunk("construct2", 2, ("tests/test_gpu_construction.py", "tests/test_gpu_offload.py"), 280),
