@@ -494,7 +494,8 @@ def render(results: dict, *, versions: list[str]) -> str:
         "",
     ]
     for package in PACKAGES:
-        columns = ([NO_TORCH] if package == "verl-config" else []) + versions
+        # verl-config touches neither torch nor megatron-core: its tests run once, without torch (`nox -s config`)
+        columns = [NO_TORCH] if package == "verl-config" else versions
         lines += [f"## {package}", "", "| feature | " + " | ".join(columns) + " |"]
         lines.append("|---" * (len(columns) + 1) + "|")
         for (pkg, feature), cells in table.items():
