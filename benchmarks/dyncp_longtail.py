@@ -276,6 +276,35 @@ def ideal_bound(
     }
 
 
+def same_budget_bound(
+    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float]
+) -> dict[str, Any] | None:
+    """A second bound from a one-GPU run at this run's per-rank budget (``--budget-bound-from``).
+
+    The ideal bound's one GPU runs micro-batches ``ranks`` times larger than a rank may hold, so it also credits
+    the fixed cost per micro-batch that larger micro-batches amortise. Here one GPU runs micro-batches of the
+    per-rank budget (its fastest layout, eager or graphed), times the ranks: what perfect balance and no
+    communication would give within the budget.
+    """
+    path = args.budget_bound_from
+    if path is None:
+        return None
+    one = json.loads(path.read_text())
+    if one["gpus"] != 1 or one["config"]["lengths"]["per_step_count"] != lengths["per_step_count"]:
+        raise SystemExit(f"--budget-bound-from {path} is not a one-GPU run of these batches")
+    if one["config"]["tokens_per_rank"] != args.tokens_per_rank:
+        raise SystemExit(f"--budget-bound-from {path} ran another per-rank budget (tokens_per_rank)")
+    best = max(one["repeats"], key=lambda layout: statistics.median(one["repeats"][layout]))
+    bound = statistics.median(one["repeats"][best]) * dist.get_world_size()
+    return {
+        "source": str(path),
+        "one_gpu_layout": best,
+        "one_gpu_tokens_per_s": bound / dist.get_world_size(),
+        "bound_tokens_per_s": bound,
+        "bound_speedup_vs_static4": bound / medians["static4"] if "static4" in medians else None,
+    }
+
+
 def write_results(
     args: argparse.Namespace,
     steps_lens: list[list[int]],
@@ -308,9 +337,15 @@ def write_results(
             },
             "speedup_vs_static4_median": {k: v / base for k, v in medians.items()} if base else {},
             "ideal_bound": bound,
+            "same_budget_bound": same_budget_bound(args, lengths, medians),
         },
     )
-    print(json.dumps(record["speedup_vs_static4_median"]), json.dumps(bound), flush=True)
+    print(
+        json.dumps(record["speedup_vs_static4_median"]),
+        json.dumps(bound),
+        json.dumps(record["same_budget_bound"]),
+        flush=True,
+    )
     if args.targets:
         if not base or args.target_layout not in medians or bound is None:
             raise SystemExit(f"--targets needs the static4 and {args.target_layout} layouts and --ideal-from")
@@ -365,6 +400,12 @@ def main() -> None:
         type=Path,
         default=None,
         help="the one-GPU no-CP record of the same batches (micro-batch budget = this run's pool budget)",
+    )
+    parser.add_argument(
+        "--budget-bound-from",
+        type=Path,
+        default=None,
+        help="a one-GPU record of the same batches at this run's --tokens-per-rank (the same-budget bound)",
     )
     parser.add_argument("--targets", action="store_true", help="store the speedups in results/targets.json")
     parser.add_argument(
