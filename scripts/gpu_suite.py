@@ -237,10 +237,25 @@ def _machine(env: dict[str, str]) -> dict[str, object]:
         "    try:\n        return m.version(n)\n    except m.PackageNotFoundError:\n        return None\n"
         "print(json.dumps({'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,"
         " 'gpus': torch.cuda.device_count(), 'torch': torch.__version__, 'megatron_core': v('megatron-core'),"
-        " 'transformer_engine': v('transformer-engine'), 'mbridge': v('mbridge')}))"
+        " 'transformer_engine': v('transformer-engine'), 'mbridge': v('mbridge'),"
+        " 'verl_engine': v('verl-engine')}))"
     )
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_installed(machine: dict[str, object]) -> None:
+    """Refuse, before any chunk starts, a machine whose Python cannot import megatron-core or verl-engine.
+
+    A device machine handed back between two commands comes back bare: without this, every chunk fails at
+    import in seconds and the command's records read as test failures.
+    """
+    missing = [name for name in ("megatron_core", "verl_engine") if not machine.get(name)]
+    if missing:
+        raise SuiteError(
+            f"{' and '.join(n.replace('_', '-') for n in missing)} not installed for this Python (a fresh"
+            " machine?): pass --install wheelhouse (the folder scripts/wheelhouse.py wrote)"
+        )
 
 
 def gpu_tag(machine: dict[str, object]) -> str:
@@ -385,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             env = _install(args.install) if args.install else {}
             machine = _machine({**os.environ, **env})
             print(f"{gpu_tag(machine)}: {json.dumps(machine)}", flush=True)
+            check_installed(machine)
             return run(out=args.out, chunk_names=args.chunks, commit=args.commit, budget_s=args.budget, env=env,
                        machine=machine)  # fmt: skip
         if args.command == "report":

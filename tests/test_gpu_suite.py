@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def test_a_machine_runs_the_chunks_its_gpu_count_allows() -> None:
     with pytest.raises(gpu_suite.SuiteError, match="unknown chunk 'nope'"):
         gpu_suite.select("nope", gpus=4)
     assert gpu_suite.gpu_tag({"gpu": "NVIDIA H200", "gpus": 4}) == "h200x4"
+
+
+def test_a_machine_without_the_wheels_is_refused_before_any_chunk_starts() -> None:
+    """The lost command of 2026-11-28: a bare machine, every chunk failing at import in seconds."""
+    machine = gpu_suite._machine(dict(os.environ))  # this environment has both
+    assert machine["megatron_core"] and machine["verl_engine"]
+    gpu_suite.check_installed(machine)
+    bare = {**machine, "megatron_core": None, "verl_engine": None}
+    with pytest.raises(
+        gpu_suite.SuiteError, match="megatron-core and verl-engine not installed.*--install wheelhouse"
+    ):
+        gpu_suite.check_installed(bare)
 
 
 def _record(folder: Path, name: str, *, gpus: int, green: bool, failed: int = 0) -> None:
