@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_dyncp.graph_layout import GraphSlots, graph_packed_seq_params, graph_thd_layout, pad_layout_to_slots
+from verl_dyncp.graph_layout import (
+    GraphSlots,
+    graph_cp_thd_layout,
+    graph_packed_seq_params,
+    graph_thd_layout,
+    pad_cp_micro_batch_to_slots,
+    pad_layout_to_slots,
+)
 from verl_dyncp.layout import build_thd_layout
 from verl_dyncp.thd_attention import thd_attention
 
@@ -123,3 +130,99 @@ def test_a_ddp_wrapped_decoder_whose_hooks_were_not_moved_is_refused_with_the_re
         match="parameter 'weight' has main_grad .*cudaErrorStreamCaptureImplicit.*ddp_hooks_on_parameters",
     ):
         GraphedDecoder(decoder, slots=GraphSlots(tokens=8, sequences=2), hidden_size=2, dtype=torch.float32)
+
+
+def _varlen_causal(q, k, v, cu_q, cu_k):  # type: ignore[no-untyped-def]
+    """What the varlen kernel computes: each query chunk over its key stream, causal from the bottom right."""
+    out = torch.zeros_like(q)
+    for i in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        m, n = q1 - q0, k1 - k0
+        if m == 0:
+            continue
+        scores = q[q0:q1] @ k[k0:k1].T
+        allowed = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
+        out[q0:q1] = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[k0:k1]
+    return out
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_a_cp_micro_batch_in_fixed_shapes_attends_as_each_sequence_alone(cp_size: int) -> None:
+    """The CP-k graph inputs (padding sequence, slots) give every true token the causal attention of its own
+    sequence, whatever the lengths, and the same shapes for every micro-batch of the slots."""
+    torch.manual_seed(0)
+    slots, align = GraphSlots(tokens=24, sequences=5), 2 * cp_size
+    shapes = set()
+    for seq_lens in ([5, 9, 2], [17], [3, 3, 3, 4]):
+        padded = [-(-n // align) * align for n in seq_lens]
+        per_rank = [
+            pad_cp_micro_batch_to_slots(
+                seq_lens=seq_lens, padded_lens=padded, cp_size=cp_size, cp_rank=r, slots=slots, device="cpu"
+            )
+            for r in range(cp_size)
+        ]
+        layouts = [
+            graph_cp_thd_layout(x, cp_size=cp_size, cp_rank=r, slots=slots) for r, x in enumerate(per_rank)
+        ]
+        shapes.add(tuple(tuple(t.shape) for x in per_rank for t in vars(x).values()))
+        full_index = per_rank[0].full_index
+        assert all(torch.equal(x.full_index, full_index) for x in per_rank)  # one global row map
+        total = cp_size * slots.tokens
+        q, k, v = (torch.randn(total, 8, dtype=torch.float64) for _ in range(3))  # the padded batch, in order
+        gathered = [torch.empty_like(t).index_copy_(0, full_index, t) for t in (q, k, v)]  # rank-major rows
+        out = torch.cat([
+            _varlen_causal(
+                gathered[0][r * slots.tokens : (r + 1) * slots.tokens],
+                gathered[1][lay.stream_index],
+                gathered[2][lay.stream_index],
+                lay.cu_seqlens_q,
+                lay.cu_seqlens_k,
+            )
+            for r, lay in enumerate(layouts)
+        ])[full_index]  # fmt: skip
+        start = 0
+        for n, p in zip(seq_lens, padded, strict=True):
+            s = slice(start, start + n)
+            expected = _varlen_causal(q[s], k[s], v[s], torch.tensor([0, n]), torch.tensor([0, n]))
+            torch.testing.assert_close(out[s], expected, rtol=1e-12, atol=1e-12)
+            start += p
+        valid = torch.cat([x.valid for x in per_rank])[full_index]  # the valid flag of each padded token
+        expected_valid = torch.zeros(total, dtype=torch.bool)
+        start = 0
+        for n, p in zip(seq_lens, padded, strict=True):
+            expected_valid[start : start + n] = True
+            start += p
+        assert torch.equal(valid, expected_valid)
+    assert len(shapes) == 1
+
+
+def test_a_cp_micro_batch_that_does_not_fit_is_refused_with_its_numbers() -> None:
+    slots = GraphSlots(tokens=8, sequences=3)
+    with pytest.raises(ValueError, match="CP-2 micro-batch of 20 padded tokens in 1 sequences does not fit"):
+        pad_cp_micro_batch_to_slots(
+            seq_lens=[20], padded_lens=[20], cp_size=2, cp_rank=0, slots=slots, device="cpu"
+        )
+    with pytest.raises(
+        ValueError, match="in 3 sequences does not fit"
+    ):  # no slot left for the padding sequence
+        pad_cp_micro_batch_to_slots(
+            seq_lens=[4, 4, 4], padded_lens=[4, 4, 4], cp_size=2, cp_rank=0, slots=slots, device="cpu"
+        )
+    with pytest.raises(ValueError, match="must be even under CP"):
+        pad_cp_micro_batch_to_slots(
+            seq_lens=[4],
+            padded_lens=[4],
+            cp_size=2,
+            cp_rank=0,
+            slots=GraphSlots(tokens=7, sequences=3),
+            device="cpu",
+        )
+    with pytest.raises(ValueError, match="CP size >= 2"):
+        pad_cp_micro_batch_to_slots(
+            seq_lens=[4], padded_lens=[4], cp_size=1, cp_rank=0, slots=slots, device="cpu"
+        )
+    inputs = pad_cp_micro_batch_to_slots(
+        seq_lens=[4], padded_lens=[4], cp_size=2, cp_rank=0, slots=slots, device="cpu"
+    )
+    with pytest.raises(ValueError, match=r"full_index must have shape \(32,\) for CP 4"):
+        graph_cp_thd_layout(inputs, cp_size=4, cp_rank=0, slots=slots)

@@ -10,7 +10,15 @@ from importlib import metadata as _metadata
 
 from verl_dyncp.cp_context import CPContext, attach_cp_context
 from verl_dyncp.decoder_graph import DecoderGraph, install_decoder_graph
-from verl_dyncp.graph_layout import GraphSlots, graph_packed_seq_params, graph_thd_layout, pad_layout_to_slots
+from verl_dyncp.graph_layout import (
+    CpGraphInputs,
+    GraphSlots,
+    graph_cp_thd_layout,
+    graph_packed_seq_params,
+    graph_thd_layout,
+    pad_cp_micro_batch_to_slots,
+    pad_layout_to_slots,
+)
 from verl_dyncp.graphed_decoder import GraphedDecoder
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.layout import thd_packed_seq_params
@@ -59,6 +67,7 @@ _LAZY = {
 
 __all__ = [  # the names imported above, then every lazy name
     "CPContext",
+    "CpGraphInputs",
     "CPGroup",
     "CPGroups",
     "DecoderGraph",
@@ -81,10 +90,12 @@ __all__ = [  # the names imported above, then every lazy name
     "dynamic_cp_take",
     "dynamic_cp_take_ahead",
     "global_loss_token_count",
+    "graph_cp_thd_layout",
     "graph_packed_seq_params",
     "graph_thd_layout",
     "install_decoder_graph",
     "pack_micro_batches",
+    "pad_cp_micro_batch_to_slots",
     "pad_layout_to_slots",
     "plan_dynamic_cp",
     "postprocess_thd_engine",

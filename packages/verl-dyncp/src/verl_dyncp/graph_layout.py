@@ -20,14 +20,23 @@ the host, which a replay would not redo).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
 
 from verl_dyncp.cp_context import LAYOUT_CACHE_ATTR, attach_cp_context
-from verl_dyncp.layout import ThdLayout
+from verl_dyncp.layout import ThdLayout, build_thd_layout
 
-__all__ = ["GraphSlots", "graph_packed_seq_params", "graph_thd_layout", "pad_layout_to_slots"]
+__all__ = [
+    "CpGraphInputs",
+    "GraphSlots",
+    "graph_cp_thd_layout",
+    "graph_packed_seq_params",
+    "graph_thd_layout",
+    "pad_cp_micro_batch_to_slots",
+    "pad_layout_to_slots",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,3 +157,128 @@ def graph_packed_seq_params(
     params = attach_cp_context(params, cp_group=None)
     getattr(params, LAYOUT_CACHE_ATTR)[(1, 0, str(cu_seqlens.device))] = layout
     return params
+
+
+@dataclasses.dataclass(frozen=True)
+class CpGraphInputs:
+    """One CP rank's share of a CP-k micro-batch as tensors whose shapes depend only on ``slots`` and ``k``.
+
+    The step toward graphs of CP > 1 micro-batches: the CP attention's varlen path reads nothing but index
+    tensors (the all-gathered K/V rows of each query chunk's key stream), and under the zigzag split a rank's
+    key stream has ``(2k + 1) / 2`` rows per local row whatever the lengths (a sequence of ``2kc`` padded tokens
+    gives a rank chunks ``r`` and ``2k-1-r`` of ``c`` rows, with ``(r + 1)c + (2k - r)c`` keys). So one padding
+    sequence filling the batch to ``k x slots.tokens`` fixes every shape:
+
+    * ``position_ids``, ``valid`` ``[T]`` (``T = slots.tokens`` local rows);
+    * ``full_index`` ``[k T]``: the padded batch in sequence order -> rows of the gathered K/V (rank-major);
+    * ``stream_index`` ``[(2k + 1) T / 2]``: the key rows of each query chunk, chunk after chunk;
+    * ``cu_seqlens_q``, ``cu_seqlens_k`` ``[2 x sequences + 1]`` int32: two chunks per sequence slot.
+    """
+
+    position_ids: torch.Tensor
+    valid: torch.Tensor
+    full_index: torch.Tensor
+    stream_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+
+def pad_cp_micro_batch_to_slots(
+    *,
+    seq_lens: list[int],
+    padded_lens: list[int],
+    cp_size: int,
+    cp_rank: int,
+    slots: GraphSlots,
+    device: torch.device | str,
+) -> CpGraphInputs:
+    """:class:`CpGraphInputs` of rank ``cp_rank`` for a micro-batch of ``seq_lens`` (padded to ``padded_lens``).
+
+    ``slots.tokens`` counts one rank's rows, so the whole micro-batch may hold ``cp_size x slots.tokens``
+    padded tokens. Built on the host from the lengths (which the micro-batch's own layout read already).
+    Raises ValueError naming the numbers for a micro-batch that does not fit, or odd slots.
+    """
+    if cp_size < 2:
+        raise ValueError(
+            f"pad_cp_micro_batch_to_slots is for CP size >= 2 (CP 1: pad_layout_to_slots), got {cp_size}"
+        )
+    if slots.tokens % 2:
+        raise ValueError(
+            f"GraphSlots.tokens={slots.tokens} must be even under CP: a rank holds two chunks a sequence"
+        )
+    total, budget = sum(padded_lens), cp_size * slots.tokens
+    if total > budget or len(padded_lens) + (total < budget) > slots.sequences:
+        raise ValueError(
+            f"CP-{cp_size} micro-batch of {total} padded tokens in {len(padded_lens)} sequences does not fit"
+            f" GraphSlots(tokens={slots.tokens}, sequences={slots.sequences}) ({budget} tokens over the CP group,"
+            " one slot for the padding sequence): raise the slots or cut smaller micro-batches"
+        )
+    lens, padded = list(seq_lens), list(padded_lens)
+    if (
+        total < budget
+    ):  # the padding sequence (one "true" token for the layout's rules; all its rows masked below)
+        lens.append(1)
+        padded.append(budget - total)
+
+    def cu(values: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int32)
+
+    layout = build_thd_layout(
+        cu_seqlens=cu(lens), cu_seqlens_padded=cu(padded), cp_size=cp_size, cp_rank=cp_rank, device=device
+    )
+    assert layout.full_index is not None and layout.stream_index is not None  # CP > 1
+    chunks = 2 * slots.sequences + 1
+
+    def fill(cu_lens: torch.Tensor) -> torch.Tensor:
+        out = torch.full((chunks,), int(cu_lens[-1]), dtype=torch.int32, device=cu_lens.device)
+        out[: cu_lens.numel()] = cu_lens
+        return out
+
+    valid = layout.valid.clone()
+    valid[total // cp_size :] = False  # a rank's rows are in sequence order: the padding sequence's come last
+    return CpGraphInputs(
+        position_ids=layout.position_ids,
+        valid=valid,
+        full_index=layout.full_index,
+        stream_index=layout.stream_index,
+        cu_seqlens_q=fill(layout.cu_seqlens_q),
+        cu_seqlens_k=fill(layout.cu_seqlens_k),
+    )
+
+
+def graph_cp_thd_layout(inputs: CpGraphInputs, *, cp_size: int, cp_rank: int, slots: GraphSlots) -> ThdLayout:
+    """The attention layout over a graph's CP-k input tensors (:class:`CpGraphInputs`), built per call.
+
+    The maximum lengths are the fixed bounds of the slots (a query chunk has at most ``T`` rows, a key stream
+    at most ``k T``), so no host read depends on the micro-batch.
+    """
+    shapes = {
+        "position_ids": (slots.tokens,),
+        "valid": (slots.tokens,),
+        "full_index": (cp_size * slots.tokens,),
+        "stream_index": ((2 * cp_size + 1) * slots.tokens // 2,),
+        "cu_seqlens_q": (2 * slots.sequences + 1,),
+        "cu_seqlens_k": (2 * slots.sequences + 1,),
+    }
+    for name, shape in shapes.items():
+        got = tuple(getattr(inputs, name).shape)
+        if got != shape:
+            raise ValueError(f"{name} must have shape {shape} for CP {cp_size} and {slots}, got {got}")
+    return ThdLayout(
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_local_tokens=slots.tokens,
+        padded_lens=(),
+        local_starts=(),
+        full_starts=(),
+        position_ids=inputs.position_ids,
+        valid=inputs.valid,
+        full_index=inputs.full_index,
+        stream_index=inputs.stream_index,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        cu_seqlens_k=inputs.cu_seqlens_k,
+        max_seqlen_q=slots.tokens,
+        max_seqlen_k=cp_size * slots.tokens,
+        has_padding=True,
+        graph_safe=True,
+    )
