@@ -94,15 +94,22 @@ def lengths_for_steps(
     return out
 
 
-def layout_options(name: str) -> tuple[str, str, bool]:
+GRAPH_OPTIONS = ("graph", "graph1")
+
+
+def layout_options(name: str) -> tuple[str, str, str | None]:
     """``(layout, attention backend, decoder graphs)`` of a layout name such as ``dynamic+te`` or
-    ``dynamic+graph``: after ``+`` the attention backend (default auto) and ``graph`` (CUDA graphs of the
-    decoder for CP-1 micro-batches, verl_engine.use_decoder_graphs)."""
+    ``dynamic+graph``: after ``+`` the attention backend (default auto) and the decoder graphs
+    (verl_engine.use_decoder_graphs): ``graph`` for the micro-batches of every CP size, ``graph1`` for the CP-1
+    ones only (the others eager)."""
     base, *extras = name.split("+")
-    backends = [e for e in extras if e != "graph"]
-    if len(backends) > 1:
-        raise SystemExit(f"layout {name!r}: at most one attention backend after '+', got {backends}")
-    return base, (backends[0] if backends else "auto"), "graph" in extras
+    backends = [e for e in extras if e not in GRAPH_OPTIONS]
+    graphs = [e for e in extras if e in GRAPH_OPTIONS]
+    if len(backends) > 1 or len(graphs) > 1:
+        raise SystemExit(
+            f"layout {name!r}: at most one attention backend and one of {GRAPH_OPTIONS} after '+', got {extras}"
+        )
+    return base, (backends[0] if backends else "auto"), (graphs[0] if graphs else None)
 
 
 def layout_overrides(name: str, args: argparse.Namespace) -> list[str]:
@@ -171,13 +178,17 @@ def run_layout(name: str, args: argparse.Namespace, steps_lens: list[list[int]],
         hf_config=hf,
         total_training_steps=len(steps_lens),
     )
-    if layout_options(name)[2]:
+    graphs = layout_options(name)[2]
+    if graphs:
         from verl_engine.decoder_graphs import use_decoder_graphs
 
         if not cuda:
             raise SystemExit(f"layout {name!r}: decoder graphs need the engine on CUDA (--device cuda)")
         use_decoder_graphs(
-            engine, tokens=args.graph_tokens or args.tokens_per_rank, sequences=args.graph_sequences
+            engine,
+            tokens=args.graph_tokens or args.tokens_per_rank,
+            sequences=args.graph_sequences,
+            cp_graphs=graphs == "graph",
         )
     step_times, losses, plans = [], [], []
     profile = StepProfile()

@@ -204,6 +204,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "test_gpu_engine*",
             "test_gpu_decoder_graph",
+            "test_gpu_decoder_graph_cp",
             "test_decoder_graphs_cpu",
             "test_gpu_construction",
             "test_gpu_weights",

@@ -134,6 +134,7 @@ CHUNKS: tuple[Chunk, ...] = (
         ),
         370,  # 492 s at 721c67c with the memory tests, now in fsdpmem2: 5 two-GPU runs of about 60 s, 30 s more
     ),
+    Chunk("graphcp2", 2, ("tests/test_gpu_decoder_graph_cp.py",), 240),  # new: 2 layouts x 2 two-rank runs
     Chunk("fsdpmem2", 2, ("tests/test_gpu_mfsdp_memory.py",), 150),  # 2 tests of 2 runs, 61 + 70 s at 721c67c
     Chunk("packed4", 4, ("tests/test_gpu_engine_packed.py",), 230),
     Chunk("pipeline4", 4, ("tests/test_gpu_pipeline.py", "tests/test_gpu_moe_pp.py"), 170),

@@ -63,3 +63,42 @@ def cpu_engine_refusal(rank: int, world_size: int, model_dir: str) -> str:
     assert decoder_graph_counts(engine) == {}
     engine.close()
     return message
+
+
+def cp_graph_or_eager_steps(
+    rank: int,
+    world_size: int,
+    overrides: list[str],
+    graphs: bool,
+    batches: list[tuple[tuple[int, ...], int, bool]],
+    tokens: int,
+) -> dict[str, Any]:
+    """One optimizer step per packed batch of the SFT engine under static or dynamic CP (``overrides``), with the
+    decoder graphed (every CP size) or eager, an offload and onload before every step but the first: per step
+    the loss, step 0's reduced gradients, the weights after, the plans and the dispatcher's counts."""
+    import sft_engine_ops as ops
+
+    import packed_engine_workers as pew
+    from verl_engine.decoder_graphs import decoder_graph_counts, use_decoder_graphs
+
+    engine, cfg = pew._engine("cuda", overrides, tokens)
+    if graphs:
+        use_decoder_graphs(engine, tokens=tokens, sequences=16)
+    data = [pew.packed_batch(lens, seed=seed, masked=masked) for lens, seed, masked in batches]
+    out: dict[str, Any] = {"losses": [], "plans": []}
+    for step, batch in enumerate(data):
+        if step:
+            engine.offload()
+            engine.onload()
+        out["plans"].append(pew._plan_summary(engine, batch))
+        with engine.train_mode():
+            loss, _ = ops.gradients(engine, batch)
+            if step == 0:
+                out["grads"] = ops.named_gradients(engine)
+            ops.set_lr(engine, cfg.optim.lr)
+            engine.optimizer_step()
+        out["losses"].append(loss)
+    out["params"] = {n: p.detach().float().cpu().clone() for n, p in engine.model.named_parameters()}
+    out["counts"] = decoder_graph_counts(engine)
+    engine.close()
+    return out

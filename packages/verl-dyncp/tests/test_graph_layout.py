@@ -12,6 +12,7 @@ from verl_dyncp.graph_layout import (
     graph_cp_thd_layout,
     graph_packed_seq_params,
     graph_thd_layout,
+    pad_cp_layout_to_slots,
     pad_cp_micro_batch_to_slots,
     pad_layout_to_slots,
 )
@@ -226,3 +227,41 @@ def test_a_cp_micro_batch_that_does_not_fit_is_refused_with_its_numbers() -> Non
     )
     with pytest.raises(ValueError, match=r"full_index must have shape \(32,\) for CP 4"):
         graph_cp_thd_layout(inputs, cp_size=4, cp_rank=0, slots=slots)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_a_cp_micro_batch_padded_from_its_own_layout_equals_the_one_from_its_lengths(cp_size: int) -> None:
+    """What the graphed decoder replays (built from the micro-batch's cached layout, which has no true lengths)
+    equals the inputs built from the true lengths: same index tensors, same valid rows."""
+    slots = GraphSlots(tokens=24, sequences=5)
+    seq_lens = [5, 9, 2]
+    padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in seq_lens]
+    for rank in range(cp_size):
+        layout = build_thd_layout(
+            cu_seqlens=torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32),
+            cu_seqlens_padded=torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32),
+            cp_size=cp_size,
+            cp_rank=rank,
+            device="cpu",
+        )
+        got = pad_cp_layout_to_slots(layout, slots=slots)
+        want = pad_cp_micro_batch_to_slots(
+            seq_lens=seq_lens, padded_lens=padded, cp_size=cp_size, cp_rank=rank, slots=slots, device="cpu"
+        )
+        for name in ("valid", "full_index", "stream_index", "cu_seqlens_q", "cu_seqlens_k"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (rank, name)
+        used = (
+            layout.num_local_tokens
+        )  # positions of true tokens (past a true length only masked rows read them)
+        assert torch.equal(got.position_ids[:used][layout.valid], want.position_ids[:used][layout.valid])
+
+
+def test_the_cp_fit_rule_counts_the_whole_group_and_needs_even_slots() -> None:
+    slots = GraphSlots(tokens=8, sequences=3)
+    assert slots.fit(tokens=16, sequences=3, cp_size=2)  # fills the group: no padding slot needed
+    assert not slots.fit(tokens=12, sequences=3, cp_size=2)  # the padding sequence needs a fourth slot
+    assert slots.fit(tokens=12, sequences=2, cp_size=2)
+    assert not slots.fit(tokens=20, sequences=1, cp_size=2)
+    assert not GraphSlots(tokens=7, sequences=3).fit(tokens=8, sequences=1, cp_size=2)
+    with pytest.raises(ValueError, match="needs a CP >= 2 micro-batch's own layout"):
+        pad_cp_layout_to_slots(_layout([3, 2]), slots=slots)

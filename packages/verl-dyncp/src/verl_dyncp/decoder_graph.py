@@ -1,15 +1,20 @@
 """A decoder that replays one CUDA graph for the training micro-batches that fit it and runs the rest eagerly.
 
-Why: :class:`~verl_dyncp.graphed_decoder.GraphedDecoder` serves CP-1 micro-batches of a token budget, but a
-trainer's step also has micro-batches it cannot serve: CP > 1 under dynamic CP, forward-only passes (log-probs),
+Why: :class:`~verl_dyncp.graphed_decoder.GraphedDecoder` serves the micro-batches of one CP size and token
+budget, but a trainer's step also has micro-batches no graph serves: forward-only passes (log-probs),
 micro-batches over the budget, a second forward before a backward. :func:`install_decoder_graph` puts a
-dispatcher in the decoder's ``forward`` so the model (``GPTModel``) calls it as before; each call goes to the
+dispatcher in the decoder's ``forward`` so the model (``GPTModel``) calls it as before; each call goes to a
 graph or to the decoder's own forward, and :attr:`DecoderGraph.counts` says how many went where and why.
 
-The graph is captured at install (a capture is seconds of eager warm-up, better paid before the first step) and
-again on the first call after the parameters or gradient buffers moved (an offload and onload);
-:meth:`DecoderGraph.release` drops its memory pool (before an offload) and :meth:`DecoderGraph.uninstall`
-restores the decoder. Configurations a graph of one micro-batch cannot hold are refused at install, naming the
+Graphs: one for CP-1 micro-batches, captured at install (a capture is seconds of eager warm-up, better paid
+before the first step); with ``cp_graphs`` (default) one per CP size k > 1 and group, captured at that group's
+first CP-k micro-batch that fits. A CP-k graph's capture and replays are collectives of its group, so every
+choice between graph and eager depends only on what all ranks of the group share: the micro-batch (its CP
+size, group, lengths), the autograd mode and the graph's backward state, which the group's ranks step through
+together, and a release, which the engine's offload makes on every rank. A graph is captured again on its
+first call after :meth:`DecoderGraph.release` (before an offload); a CP-k graph whose parameters moved without
+a release is an error (a recapture decided by one rank's addresses would leave its group waiting), a CP-1 graph
+recaptures. :meth:`DecoderGraph.uninstall` restores the decoder. Configurations a graph of one micro-batch cannot hold are refused at install, naming the
 setting: tensor or pipeline parallelism (several micro-batches in flight, collectives inside the graph),
 activation recompute, mixture of experts (token counts per expert vary), dropout (RNG inside the graph), FP8.
 """
@@ -24,17 +29,28 @@ import torch
 from verl_dyncp.cp_context import get_cp_context
 from verl_dyncp.graph_layout import GraphSlots
 from verl_dyncp.graphed_decoder import GraphedDecoder
+from verl_dyncp.layout import thd_layout
 
 __all__ = ["DecoderGraph", "install_decoder_graph"]
 
 # why a call ran eagerly: the keys of DecoderGraph.counts besides "graph"
-EAGER_REASONS = ("forward_only", "not_thd", "cp_size", "too_large", "backward_due", "extra_inputs")
+EAGER_REASONS = (
+    "forward_only", "not_thd", "cp_size", "cp_group", "too_large", "backward_due", "extra_inputs",
+)  # fmt: skip
 
 
 def install_decoder_graph(
-    decoder: torch.nn.Module, *, slots: GraphSlots, hidden_size: int, dtype: torch.dtype
+    decoder: torch.nn.Module,
+    *,
+    slots: GraphSlots,
+    hidden_size: int,
+    dtype: torch.dtype,
+    cp_graphs: bool = True,
 ) -> DecoderGraph:
-    """Dispatch ``decoder``'s calls between one graph for ``slots`` and its own forward; see the module doc.
+    """Dispatch ``decoder``'s calls between graphs for ``slots`` and its own forward; see the module doc.
+
+    ``cp_graphs``: also graph CP > 1 micro-batches (one graph per CP size, captured by its group); False runs
+    them eagerly (counted as ``cp_size``).
 
     ``decoder``: megatron-core's TransformerBlock with verl-dyncp's attention, on CUDA; under DDP its hooks must
     be on the parameters (:func:`verl_mcore_utils.ddp_hooks_on_parameters`). Raises ValueError naming the
@@ -45,7 +61,7 @@ def install_decoder_graph(
             "install_decoder_graph: this decoder already has a graph dispatcher; uninstall() it first"
         )
     refuse_unsupported(decoder)
-    return DecoderGraph(decoder, slots=slots, hidden_size=hidden_size, dtype=dtype)
+    return DecoderGraph(decoder, slots=slots, hidden_size=hidden_size, dtype=dtype, cp_graphs=cp_graphs)
 
 
 def refuse_unsupported(decoder: torch.nn.Module) -> None:
@@ -120,27 +136,41 @@ class _Dispatch:
 
 
 class DecoderGraph:
-    """The dispatcher :func:`install_decoder_graph` returns: counts, release, recapture, uninstall."""
+    """The dispatcher :func:`install_decoder_graph` returns: counts, release, recapture, uninstall.
+
+    ``counts``: calls per route (``graph``, or a reason from ``EAGER_REASONS``), ``graph_cp<k>`` of those
+    replayed by CP-k graphs, and ``captures``, the captures made while dispatching (recaptures after a release,
+    first captures of CP-k graphs).
+    """
 
     def __init__(
-        self, decoder: torch.nn.Module, *, slots: GraphSlots, hidden_size: int, dtype: torch.dtype
+        self,
+        decoder: torch.nn.Module,
+        *,
+        slots: GraphSlots,
+        hidden_size: int,
+        dtype: torch.dtype,
+        cp_graphs: bool = True,
     ) -> None:
-        self.decoder, self.slots = decoder, slots
+        self.decoder, self.slots, self.cp_graphs = decoder, slots, cp_graphs
+        self._hidden_size, self._dtype = hidden_size, dtype
         self._forward = type(decoder).forward.__get__(decoder)  # the decoder's own forward
         self._static_cp = int(getattr(decoder.config, "context_parallel_size", 1))
         self.counts: Counter[str] = Counter()
         self.graph = GraphedDecoder(
             decoder, slots=slots, hidden_size=hidden_size, dtype=dtype, forward=self._forward
         )
+        self.graphs: dict[int, GraphedDecoder] = {1: self.graph}  # by CP size
         decoder.forward = _Dispatch(self)
 
     def release(self) -> None:
-        """Drop the graph's memory (before an offload); the next call that fits captures again."""
-        self.graph.release()
+        """Drop every graph's memory (before an offload); each captures again at its next fitting call."""
+        for graph in self.graphs.values():
+            graph.release()
 
     def uninstall(self) -> None:
-        """Release the graph and give the decoder its own forward back."""
-        self.graph.release()
+        """Release the graphs and give the decoder its own forward back."""
+        self.release()
         if isinstance(self.decoder.__dict__.get("forward"), _Dispatch):
             del self.decoder.forward
 
@@ -152,25 +182,56 @@ class DecoderGraph:
 
         return parallel_state.get_context_parallel_group()
 
-    def eager_reason(self, hidden_states: Any, packed_seq_params: Any, extra: dict[str, Any]) -> str | None:
-        """Why this call runs eagerly (a key of :attr:`counts`), or None when it replays the graph.
+    def route(self, packed_seq_params: Any, extra: dict[str, Any]) -> tuple[str | None, Any]:
+        """``(reason, None)`` for a call that runs eagerly (``reason`` a key of :attr:`counts`), else
+        ``(None, context)`` with the micro-batch's CP context: it replays (or first captures) that CP size's graph.
 
         ``extra``: every other argument of the call (attention mask, RoPE tables, inference context...); the
         graph takes none of them, so any that is set sends the call to the eager forward.
         """
         if not (torch.is_grad_enabled() and self.decoder.training):
-            return "forward_only"
+            return "forward_only", None
         if any(value is not None for value in extra.values()):
-            return "extra_inputs"
+            return "extra_inputs", None
         if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", "thd") != "thd":
-            return "not_thd"
-        if get_cp_context(packed_seq_params, static_cp_group=self._static_group()).size != 1:
-            return "cp_size"
-        if self.graph.backward_due:
-            return "backward_due"
-        if not self.graph.fits(packed_seq_params):
-            return "too_large"
-        return None
+            return "not_thd", None
+        context = get_cp_context(packed_seq_params, static_cp_group=self._static_group())
+        if context.size > 1 and not self.cp_graphs:
+            return "cp_size", None
+        graph = self.graphs.get(context.size)
+        if graph is not None and graph.cp_group is not context.cp_group and context.size > 1:
+            return "cp_group", None  # another group of this size: its graph's collectives are not ours
+        if graph is not None and graph.backward_due:
+            return "backward_due", None
+        fits = (
+            graph.fits(packed_seq_params) if graph is not None else self._fits_cp(packed_seq_params, context)
+        )
+        if not fits:
+            return "too_large", None
+        return None, context
+
+    def _fits_cp(self, packed_seq_params: Any, context: Any) -> bool:
+        """Whether a CP-k micro-batch fits the slots before its graph exists (the same rule as ``fits``)."""
+        layout = thd_layout(
+            packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=torch.cuda.current_device()
+        )
+        padded = layout.padded_lens
+        return self.slots.fit(tokens=sum(padded), sequences=len(padded), cp_size=context.size)
+
+    def _graph_for(self, context: Any) -> GraphedDecoder:
+        """The graph of this CP size, captured or recaptured when needed (with its group, at the same call)."""
+        graph = self.graphs.get(context.size)
+        if graph is None:
+            graph = GraphedDecoder(
+                self.decoder, slots=self.slots, hidden_size=self._hidden_size, dtype=self._dtype,
+                forward=self._forward, cp_group=context.cp_group,
+            )  # fmt: skip
+            self.graphs[context.size] = graph
+            self.counts["captures"] += 1
+        elif graph.released or (context.size == 1 and graph.moved()):
+            graph.recapture()
+            self.counts["captures"] += 1
+        return graph
 
     def dispatch(
         self,
@@ -180,17 +241,15 @@ class DecoderGraph:
         packed_seq_params: Any = None,
         **extra: Any,
     ) -> Any:
-        reason = self.eager_reason(
-            hidden_states, packed_seq_params, {**extra, "attention_mask": attention_mask}
-        )
+        reason, context = self.route(packed_seq_params, {**extra, "attention_mask": attention_mask})
         if reason is not None:
             self.counts[reason] += 1
             return self._forward(
                 hidden_states=hidden_states, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
                 **extra,
             )  # fmt: skip
-        if self.graph.moved():
-            self.graph.recapture()
-            self.counts["captures"] += 1
+        graph = self._graph_for(context)
         self.counts["graph"] += 1
-        return self.graph(hidden_states, packed_seq_params=packed_seq_params)
+        if context.size > 1:
+            self.counts[f"graph_cp{context.size}"] += 1
+        return graph(hidden_states, packed_seq_params=packed_seq_params)

@@ -31,9 +31,11 @@ from verl_dyncp.layout import ThdLayout, build_thd_layout
 __all__ = [
     "CpGraphInputs",
     "GraphSlots",
+    "graph_cp_packed_seq_params",
     "graph_cp_thd_layout",
     "graph_packed_seq_params",
     "graph_thd_layout",
+    "pad_cp_layout_to_slots",
     "pad_cp_micro_batch_to_slots",
     "pad_layout_to_slots",
 ]
@@ -62,9 +64,16 @@ class GraphSlots:
                 " one token, so the extra slots could never be used"
             )
 
-    def fit(self, *, tokens: int, sequences: int) -> bool:
-        """Whether a micro-batch of ``tokens`` rows in ``sequences`` sequences fits (with its padding slot)."""
-        return tokens <= self.tokens and sequences + (tokens < self.tokens) <= self.sequences
+    def fit(self, *, tokens: int, sequences: int, cp_size: int = 1) -> bool:
+        """Whether a micro-batch of ``tokens`` rows in ``sequences`` sequences fits (with its padding slot).
+
+        ``cp_size`` k > 1: ``tokens`` counts the whole micro-batch's padded tokens, split over k ranks of
+        ``self.tokens`` rows each (and the slots must be even: a rank holds two chunks of every sequence).
+        """
+        if cp_size > 1 and self.tokens % 2:
+            return False
+        budget = cp_size * self.tokens
+        return tokens <= budget and sequences + (tokens < budget) <= self.sequences
 
 
 def pad_layout_to_slots(
@@ -207,7 +216,7 @@ def pad_cp_micro_batch_to_slots(
             f"GraphSlots.tokens={slots.tokens} must be even under CP: a rank holds two chunks a sequence"
         )
     total, budget = sum(padded_lens), cp_size * slots.tokens
-    if total > budget or len(padded_lens) + (total < budget) > slots.sequences:
+    if not slots.fit(tokens=total, sequences=len(padded_lens), cp_size=cp_size):
         raise ValueError(
             f"CP-{cp_size} micro-batch of {total} padded tokens in {len(padded_lens)} sequences does not fit"
             f" GraphSlots(tokens={slots.tokens}, sequences={slots.sequences}) ({budget} tokens over the CP group,"
@@ -282,3 +291,53 @@ def graph_cp_thd_layout(inputs: CpGraphInputs, *, cp_size: int, cp_rank: int, sl
         has_padding=True,
         graph_safe=True,
     )
+
+
+def pad_cp_layout_to_slots(layout: ThdLayout, *, slots: GraphSlots) -> CpGraphInputs:
+    """:class:`CpGraphInputs` of a CP-k micro-batch from its own (cached) layout: what a graphed decoder replays.
+
+    The layout holds the padded lengths on the host and the valid rows on the device, not the true lengths;
+    the valid rows are all the graph needs of them (positions past a true length only reach masked rows), so
+    the inputs are built from the padded lengths and the layout's ``valid`` is copied in (a device copy).
+    """
+    if layout.cp_size < 2 or not layout.padded_lens:
+        raise ValueError(
+            f"pad_cp_layout_to_slots needs a CP >= 2 micro-batch's own layout, got CP {layout.cp_size} with"
+            f" {len(layout.padded_lens)} host lengths (a graph layout has none)"
+        )
+    padded = list(layout.padded_lens)
+    inputs = pad_cp_micro_batch_to_slots(
+        seq_lens=padded,
+        padded_lens=padded,
+        cp_size=layout.cp_size,
+        cp_rank=layout.cp_rank,
+        slots=slots,
+        device=layout.position_ids.device,
+    )
+    inputs.valid[: layout.num_local_tokens] = layout.valid
+    return inputs
+
+
+def graph_cp_packed_seq_params(
+    inputs: CpGraphInputs, *, cp_group: Any, cp_size: int, cp_rank: int, slots: GraphSlots
+) -> Any:
+    """megatron-core PackedSeqParams carrying :func:`graph_cp_thd_layout` and the CP group, built per call.
+
+    The CP-k counterpart of :func:`graph_packed_seq_params`: the attention finds the layout in the cache under
+    its (CP size, CP rank, device) key and all-gathers K/V over ``cp_group`` inside the graph.
+    """
+    from verl_mcore_utils.compat import make_packed_seq_params  # megatron-core only when used
+
+    layout = graph_cp_thd_layout(inputs, cp_size=cp_size, cp_rank=cp_rank, slots=slots)
+    params = make_packed_seq_params(
+        qkv_format="thd",
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        cu_seqlens_kv=inputs.cu_seqlens_k,
+        cu_seqlens_q_padded=inputs.cu_seqlens_q,
+        cu_seqlens_kv_padded=inputs.cu_seqlens_k,
+        max_seqlen_q=slots.tokens,
+        max_seqlen_kv=cp_size * slots.tokens,
+    )
+    params = attach_cp_context(params, cp_group=cp_group)
+    getattr(params, LAYOUT_CACHE_ATTR)[(cp_size, cp_rank, str(inputs.valid.device))] = layout
+    return params

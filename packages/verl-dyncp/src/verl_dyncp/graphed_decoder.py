@@ -6,8 +6,12 @@ Why: at Megatron-LM's dynamic-CP workload shape the eager decoder is launch-boun
 ``torch.cuda.make_graphed_callables`` and, per micro-batch, pads the hidden states, copies the layout in and
 replays. Outputs and input gradients of the micro-batch's own rows come back; the padding rows are cut.
 
-Scope, stated so that nothing is silently wrong: CP size 1, verl-dyncp's attention (the varlen kernel), one
-micro-batch in flight, no dropout RNG inside the graph unless megatron-core's tracker is graph-safe.
+Scope, stated so that nothing is silently wrong: verl-dyncp's attention (the varlen kernel), one micro-batch in
+flight, no dropout RNG inside the graph unless megatron-core's tracker is graph-safe. A graph serves one CP
+size: CP 1 by default; with ``cp_group`` (k ranks) it serves that group's CP-k micro-batches
+(:class:`~verl_dyncp.graph_layout.CpGraphInputs`: every shape fixed by the slots and k), and its capture and
+every replay are collective over the group (the K/V all-gather and its reduce-scatter are NCCL collectives in
+the graph): every rank of the group must construct, call and recapture it together.
 
 Decoders wrapped for megatron-core DDP (parameters with ``main_grad``) are supported once DDP's gradient
 hooks sit on the parameters (:func:`verl_mcore_utils.ddp_hooks_on_parameters`), and refused otherwise.
@@ -28,12 +32,22 @@ offload and onload) is an error naming the fix (:meth:`GraphedDecoder.recapture`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_dyncp.graph_layout import GraphSlots, graph_packed_seq_params, pad_layout_to_slots
+from verl_dyncp.graph_layout import (
+    CpGraphInputs,
+    GraphSlots,
+    graph_cp_packed_seq_params,
+    graph_packed_seq_params,
+    pad_cp_layout_to_slots,
+    pad_cp_micro_batch_to_slots,
+    pad_layout_to_slots,
+)
 from verl_dyncp.layout import thd_layout
 
 __all__ = ["GraphedDecoder"]
@@ -43,20 +57,32 @@ class _DecoderOverGraphInputs(torch.nn.Module):
     """The decoder as a function of tensors only: hidden states and the padded layout (what a graph takes).
 
     ``forward`` is the decoder's own forward, called directly (a caller that replaced ``decoder.forward`` with
-    a dispatcher passes the original, so that the graph does not re-enter the dispatcher).
+    a dispatcher passes the original, so that the graph does not re-enter the dispatcher). The layout tensors
+    are ``(cu_seqlens, position_ids, valid)`` at CP 1 and the fields of ``CpGraphInputs`` in order under CP.
     """
 
-    def __init__(self, decoder: torch.nn.Module, slots: GraphSlots, forward: Any) -> None:
+    def __init__(
+        self, decoder: torch.nn.Module, slots: GraphSlots, forward: Any, cp_group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.decoder, self.slots, self._decoder_forward = decoder, slots, forward
+        self.cp_group = cp_group
 
-    def forward(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, *layout: torch.Tensor) -> torch.Tensor:
         # built on every call (warm-up, capture): a fresh layout, so RoPE tables are computed in the graph
-        params = graph_packed_seq_params(
-            cu_seqlens=cu_seqlens, position_ids=position_ids, valid=valid, slots=self.slots
-        )
+        if self.cp_group is None:
+            cu_seqlens, position_ids, valid = layout
+            params = graph_packed_seq_params(
+                cu_seqlens=cu_seqlens, position_ids=position_ids, valid=valid, slots=self.slots
+            )
+        else:
+            params = graph_cp_packed_seq_params(
+                CpGraphInputs(*layout),
+                cp_group=self.cp_group,
+                cp_size=dist.get_world_size(group=self.cp_group),
+                cp_rank=dist.get_rank(group=self.cp_group),
+                slots=self.slots,
+            )
         return self._decoder_forward(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
 
 
@@ -67,7 +93,8 @@ class GraphedDecoder:
     training mode if it will train. ``hidden_size`` and ``dtype``: of its input. Capture runs the forward and
     backward ``num_warmup_iters + 1`` times on a sample batch (``torch.autograd.grad``: parameters' ``.grad``
     is left alone). ``forward``: the decoder's forward to capture, default its class's (a caller that
-    replaced ``decoder.forward`` on the instance passes the one it replaced).
+    replaced ``decoder.forward`` on the instance passes the one it replaced). ``cp_group``: a graph of that
+    group's CP-k micro-batches (the module doc; every rank of the group constructs it at the same point).
     """
 
     def __init__(
@@ -79,7 +106,16 @@ class GraphedDecoder:
         dtype: torch.dtype,
         num_warmup_iters: int = 3,
         forward: Any = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(group=cp_group)
+        if self.cp_size > 1 and slots.tokens % 2:
+            raise ValueError(
+                f"GraphedDecoder: GraphSlots.tokens={slots.tokens} must be even for a CP-{self.cp_size} graph (a"
+                " rank holds two chunks of every sequence)"
+            )
         self._ddp_params = ddp_parameters(decoder)
         self._fused: list[torch.nn.Parameter] = []  # weights whose gradient the graph adds to main_grad
         self.slots, self.decoder = slots, decoder
@@ -98,6 +134,11 @@ class GraphedDecoder:
         self._graphed = None
         self._backward_due = False
 
+    @property
+    def released(self) -> bool:
+        """No graph held (released, or a capture that failed): the next call needs :meth:`recapture`."""
+        return self._graphed is None
+
     def moved(self) -> bool:
         """Whether the parameters or their ``main_grad`` moved since the capture (or there is no graph)."""
         return self._graphed is None or self._current_addresses() != self._addresses
@@ -110,16 +151,26 @@ class GraphedDecoder:
         """Capture (again): after the decoder's parameters moved, or to start over."""
         self._graphed = None  # the old graph's memory goes back before the new capture takes its own
         slots, device = self.slots, self._device
-        sample = (
-            torch.zeros(
-                slots.tokens, 1, self._hidden_size, dtype=self._dtype, device=device, requires_grad=True
-            ),
-            torch.full((slots.sequences + 1,), slots.tokens, dtype=torch.int32, device=device),
-            torch.arange(slots.tokens, device=device),
-            torch.ones(slots.tokens, dtype=torch.bool, device=device),
+        hidden = torch.zeros(
+            slots.tokens, 1, self._hidden_size, dtype=self._dtype, device=device, requires_grad=True
         )
-        sample[1][0] = 0  # one sequence of the whole budget, then empty slots: a valid layout
-        module = _DecoderOverGraphInputs(self.decoder, slots, self._forward)
+        if self.cp_group is None:
+            cu = torch.full((slots.sequences + 1,), slots.tokens, dtype=torch.int32, device=device)
+            cu[0] = 0  # one sequence of the whole budget, then empty slots: a valid layout
+            layout: tuple[torch.Tensor, ...] = (
+                cu,
+                torch.arange(slots.tokens, device=device),
+                torch.ones(slots.tokens, dtype=torch.bool, device=device),
+            )
+        else:  # one sequence of the group's whole budget
+            whole = [self.cp_size * slots.tokens]
+            inputs = pad_cp_micro_batch_to_slots(
+                seq_lens=whole, padded_lens=whole, cp_size=self.cp_size, cp_rank=self.cp_rank, slots=slots,
+                device=device,
+            )  # fmt: skip
+            layout = _as_tuple(inputs)
+        sample = (hidden, *layout)
+        module = _DecoderOverGraphInputs(self.decoder, slots, self._forward, self.cp_group)
         ddp = self._ddp_params
         flags = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in ddp]
         grads = [p.main_grad.to("cpu", copy=True) for p in ddp]  # the warm-up backward adds into them
@@ -142,9 +193,18 @@ class GraphedDecoder:
         return self._backward_due
 
     def fits(self, packed_seq_params: Any) -> bool:
-        """Whether a CP-1 micro-batch with these params fits the slots (host numbers of its cached layout)."""
-        layout = thd_layout(packed_seq_params, cp_size=1, cp_rank=0, device=self._device)
-        return self.slots.fit(tokens=layout.num_local_tokens, sequences=len(layout.padded_lens))
+        """Whether a micro-batch of this graph's CP size fits the slots (host numbers of its cached layout).
+
+        Under CP the answer depends only on the whole micro-batch (its padded lengths), so every rank of the
+        group gives the same one: the group replays together or runs eagerly together.
+        """
+        layout = self._layout(packed_seq_params)
+        return self.slots.fit(
+            tokens=sum(layout.padded_lens), sequences=len(layout.padded_lens), cp_size=self.cp_size
+        )
+
+    def _layout(self, packed_seq_params: Any) -> Any:
+        return thd_layout(packed_seq_params, cp_size=self.cp_size, cp_rank=self.cp_rank, device=self._device)
 
     def __call__(self, hidden: torch.Tensor, *, packed_seq_params: Any) -> torch.Tensor:
         """The decoder's output for ``hidden`` ``[T, 1, hidden]``, autograd-connected; its rows only.
@@ -163,21 +223,25 @@ class GraphedDecoder:
                 f"hidden is {hidden.dtype} {tuple(hidden.shape)} but the graph was captured for {self._dtype}"
                 f" [tokens, 1, {self._hidden_size}]"
             )
-        layout = thd_layout(packed_seq_params, cp_size=1, cp_rank=0, device=hidden.device)
+        layout = self._layout(packed_seq_params)
         if hidden.shape[0] != layout.num_local_tokens:
             raise ValueError(
                 f"hidden has {hidden.shape[0]} rows but the micro-batch's layout has {layout.num_local_tokens}"
             )
-        cu, positions, valid = pad_layout_to_slots(layout, slots=self.slots)
+        if self.cp_group is None:
+            inputs: tuple[torch.Tensor, ...] = pad_layout_to_slots(layout, slots=self.slots)
+        else:
+            inputs = _as_tuple(pad_cp_layout_to_slots(layout, slots=self.slots))
         if self.moved():
             raise RuntimeError(
                 "GraphedDecoder: no graph, or the decoder's parameters (or their main_grad) moved since the"
                 " graph was captured (an offload and onload?): the graph would read the old addresses; call"
-                " recapture() first"
+                " recapture() first (a CP graph: release() it on every rank of its group, as the engine's"
+                " offload does, so that the group captures again together)"
             )
         used = hidden.shape[0]
         padded = F.pad(hidden, (0, 0, 0, 0, 0, self.slots.tokens - used))
-        out = self._graphed(padded, cu, positions, valid)
+        out = self._graphed(padded, *inputs)
         if torch.is_grad_enabled():
             for p in self._fused:  # what the eager backward's Python would have marked (module doc)
                 p.grad_added_to_main_grad = True
@@ -188,6 +252,11 @@ class GraphedDecoder:
 
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self._backward_due = False
+
+
+def _as_tuple(inputs: CpGraphInputs) -> tuple[torch.Tensor, ...]:
+    """The graph's CP layout tensors in ``CpGraphInputs``' field order (what ``_DecoderOverGraphInputs`` takes)."""
+    return tuple(getattr(inputs, f.name) for f in dataclasses.fields(inputs))
 
 
 def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:

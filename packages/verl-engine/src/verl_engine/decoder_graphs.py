@@ -1,11 +1,11 @@
-"""CUDA graphs of the decoder for an engine's CP-1 training micro-batches (opt in: :func:`use_decoder_graphs`).
+"""CUDA graphs of the decoder for an engine's training micro-batches (opt in: :func:`use_decoder_graphs`).
 
 Why: at Megatron-LM's dynamic-CP workload shape a CP-1 micro-batch's decoder is launch-bound (51.6 ms eager
 against 15.2 ms replayed from one graph, 1 x H200, docs/benchmarks.md), and dynamic CP runs most micro-batches
-at CP 1. This module wires :func:`verl_dyncp.install_decoder_graph` into a built engine: DDP's gradient hooks are
+at CP 1; the CP-2 / CP-4 micro-batches get one graph per CP size, captured by their group. This module wires :func:`verl_dyncp.install_decoder_graph` into a built engine: DDP's gradient hooks are
 moved onto the parameters (what lets a backward through DDP be captured, :mod:`verl_mcore_utils.ddp_graph_hooks`),
 each chunk's decoder gets a dispatcher, the engine's offload releases the graphs' memory and ``close()``
-uninstalls them. Micro-batches the graph cannot serve (CP > 1, forward-only, over the token budget) run eagerly;
+uninstalls them. Micro-batches no graph can serve (forward-only, over the token budget) run eagerly;
 :func:`decoder_graph_counts` says how many went where.
 """
 
@@ -21,11 +21,15 @@ __all__ = ["decoder_graph_counts", "release_decoder_graphs", "use_decoder_graphs
 _ATTR = "_decoder_graphs"
 
 
-def use_decoder_graphs(engine: Any, *, tokens: int | None = None, sequences: int = 64) -> list[Any]:
-    """Install one decoder graph per model chunk of ``engine`` (an RLEngine); returns the dispatchers.
+def use_decoder_graphs(
+    engine: Any, *, tokens: int | None = None, sequences: int = 64, cp_graphs: bool = True
+) -> list[Any]:
+    """Install one decoder graph dispatcher per model chunk of ``engine`` (an RLEngine); returns them.
 
-    ``tokens``: the graph's token budget, default the engine's ``max_token_len_per_gpu`` (dynamic batch size);
-    ``sequences``: at most this many sequences per graphed micro-batch (one slot goes to padding). Call between
+    ``tokens``: the graph's token budget per rank, default the engine's ``max_token_len_per_gpu`` (dynamic batch
+    size); ``sequences``: at most this many sequences per graphed micro-batch (one slot goes to padding);
+    ``cp_graphs``: graph CP > 1 micro-batches too (static or dynamic CP: one graph per CP size, captured by its
+    group at its first micro-batch; every rank of the engine must call this). Call between
     steps, with the engine's state on the GPU. Raises ValueError naming the setting for what a graph cannot
     serve (CPU engine, Megatron-FSDP, LoRA, a model chunk without DDP, and the decoder settings
     :func:`verl_dyncp.install_decoder_graph` refuses).
@@ -61,7 +65,11 @@ def use_decoder_graphs(engine: Any, *, tokens: int | None = None, sequences: int
             config = model.config
             graphs.append(
                 install_decoder_graph(
-                    model.decoder, slots=slots, hidden_size=int(config.hidden_size), dtype=_dtype(config)
+                    model.decoder,
+                    slots=slots,
+                    hidden_size=int(config.hidden_size),
+                    dtype=_dtype(config),
+                    cp_graphs=cp_graphs,
                 )
             )
     except BaseException:
