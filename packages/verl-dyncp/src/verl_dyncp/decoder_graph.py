@@ -212,9 +212,10 @@ class DecoderGraph:
 
     def _fits_cp(self, packed_seq_params: Any, context: Any) -> bool:
         """Whether a CP-k micro-batch fits the slots before its graph exists (the same rule as ``fits``)."""
-        layout = thd_layout(
-            packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=torch.cuda.current_device()
-        )
+        device = torch.device(
+            "cuda", torch.cuda.current_device()
+        )  # the key the batch's layout is cached under
+        layout = thd_layout(packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=device)
         padded = layout.padded_lens
         return self.slots.fit(tokens=sum(padded), sequences=len(padded), cp_size=context.size)
 

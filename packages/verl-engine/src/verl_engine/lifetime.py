@@ -50,6 +50,7 @@ class Closeable:
             delattr(self, name)
         self._closed = True
         if cp_groups is not None and hasattr(cp_groups, "destroy"):
+            gc.collect()  # a CUDA graph of a CP group, freed late, holds its NCCL communicator: destroy would hang
             cp_groups.destroy()
         del cp_groups
         _empty_megatron_memory_buffer()
