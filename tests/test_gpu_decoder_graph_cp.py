@@ -12,7 +12,11 @@ Tolerances (bf16), as tests/test_gpu_decoder_graph.py: the graph pads each rank'
 padding sequence, so GEMMs and the attention may pick other kernels (other accumulation order): a few bf16
 roundings, well under 1e-2 of a loss and 5e-2 of a gradient's norm. What the test guards against is order one:
 a padding row leaking into a true token's attention, a key stream of the wrong rank, a gradient added twice
-or lost, a stale graph after the offload.
+or lost, a stale graph after the offload. The weights after three Adam steps: within 1e-2 of their norm plus
+a tenth of ``lr x steps x sqrt(numel)``. Adam moves each element by about ``lr`` a step whatever the gradient's
+size, so an element whose gradient is near zero may step the other way on a bf16 rounding: measured on
+2 x H200, the zero-initialised QKV biases (elements of about 2e-3) differed by 6-9% of their norm while losses and
+gradients agreed; a real error shows in the losses and step 0's gradients first.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import pytest
 
 from verl_mcore_utils.testing import run_distributed
 
-COMMON = ["model.preset=small", "megatron.use_distributed_optimizer=false", "optim.lr=1e-3"]
+LR = 1e-3
+COMMON = ["model.preset=small", "megatron.use_distributed_optimizer=false", f"optim.lr={LR}"]
 BF16 = [*COMMON, "megatron.dtype=bfloat16"]
 LONG = (300, 1, 512, 40, 800, 128, 183, 64)
 BATCHES = [(LONG, 21, True), ((96,) * 12, 22, False), ((1000,), 23, False)]
@@ -63,4 +68,8 @@ def test_cp2_decoder_graphs_train_like_the_eager_engine_across_offloads(layout: 
             err = _rel(g["grads"][name], ref)
             assert err <= 5e-2, (name, err)
         for name, ref in e["params"].items():
-            assert _rel(g["params"][name], ref) <= 1e-2, name
+            adam = (
+                0.1 * LR * len(BATCHES) * ref.numel() ** 0.5
+            )  # sign flips of near-zero gradients (module doc)
+            diff = float((g["params"][name] - ref).norm())
+            assert diff <= 1e-2 * float(ref.norm()) + adam, (name, diff, float(ref.norm()))
