@@ -3,8 +3,8 @@
 # of mean 1024 clipped to 128..8192, 2048 tokens per rank) vs static CP 4, 3 repeats in turn, and the one-GPU run
 # that measures the ideal-balance bound (about 5 minutes on 4 GPUs; the same runs as issue36_gpu.sh's part 4).
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_dyncp_gpu.sh TAG OUT
-# LAYOUTS (default static4,dynamic; e.g. static4,dynamic,dynamic+graph: CUDA graphs of the decoder for the CP-1
-# micro-batches), TARGET_LAYOUT (the layout whose speedup goes to targets.json, default dynamic), LIMIT (seconds of
+# LAYOUTS (default static4,dynamic; e.g. static4,dynamic+graph1,dynamic+graph: CUDA graphs of the decoder for the
+# CP-1 micro-batches only, or for every CP size), TARGET_LAYOUT (the layout whose speedup goes to targets.json, default dynamic), LIMIT (seconds of
 # the 4-GPU run, default 240), SAME_BUDGET (below).
 set -uo pipefail
 TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
