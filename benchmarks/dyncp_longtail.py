@@ -260,35 +260,43 @@ def lengths_summary(args: argparse.Namespace, steps_lens: list[list[int]]) -> di
     }
 
 
+def _one_gpu_run(path: Path, *, flag: str, lengths: dict[str, Any], tokens_per_rank: int) -> dict[str, Any]:
+    """The record of a one-GPU run of these batches at ``tokens_per_rank``, or SystemExit naming ``flag``."""
+    one = json.loads(path.read_text())
+    if one["gpus"] != 1 or one["config"]["lengths"]["per_step_count"] != lengths["per_step_count"]:
+        raise SystemExit(f"{flag} {path} is not a one-GPU run of these batches")
+    if one["config"]["tokens_per_rank"] != tokens_per_rank:
+        raise SystemExit(
+            f"{flag} {path} cut other micro-batches (tokens_per_rank {one['config']['tokens_per_rank']},"
+            f" {tokens_per_rank} needed)"
+        )
+    return one
+
+
 def ideal_bound(
-    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float]
+    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float], *, ranks: int
 ) -> dict[str, Any] | None:
     """The ideal-balance bound from a one-GPU run of the same batches (``--ideal-from``).
 
     One GPU runs each micro-batch whole (its budget is this run's pool budget, so the micro-batches are the
-    same), at CP 1, with no communication; perfect balance over this run's ranks would take 1 / ranks of that
-    time. Its tokens/s x ranks over static CP 4's is the most any plan of the same micro-batches can gain
+    same), at CP 1, with no communication; perfect balance over this run's ``ranks`` would take 1 / ranks of
+    that time. Its tokens/s x ranks over static CP 4's is the most any plan of the same micro-batches can gain
     (an optimistic bound: kernels on a quarter of the tokens are no faster per token).
     """
     if args.ideal_from is None:
         return None
-    one = json.loads(args.ideal_from.read_text())
-    if one["gpus"] != 1 or one["config"]["lengths"]["per_step_count"] != lengths["per_step_count"]:
-        raise SystemExit(f"--ideal-from {args.ideal_from} is not a one-GPU run of these batches")
-    if one["config"]["tokens_per_rank"] != args.tokens_per_rank * dist.get_world_size():
-        raise SystemExit(f"--ideal-from {args.ideal_from} cut other micro-batches (tokens_per_rank)")
+    one = _one_gpu_run(
+        args.ideal_from, flag="--ideal-from", lengths=lengths, tokens_per_rank=args.tokens_per_rank * ranks
+    )
     one_tps = statistics.median(one["repeats"]["none"])
-    ideal = one_tps * dist.get_world_size()
-    return {
-        "source": str(args.ideal_from),
-        "one_gpu_tokens_per_s": one_tps,
-        "ideal_tokens_per_s": ideal,
-        "ideal_bound_speedup_vs_static4": ideal / medians["static4"] if "static4" in medians else None,
-    }
+    return _bound(
+        args.ideal_from, one_tps, ranks=ranks, medians=medians, layout="none",
+        tokens_key="ideal_tokens_per_s", speedup_key="ideal_bound_speedup_vs_static4",
+    )  # fmt: skip
 
 
 def same_budget_bound(
-    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float]
+    args: argparse.Namespace, lengths: dict[str, Any], medians: dict[str, float], *, ranks: int
 ) -> dict[str, Any] | None:
     """A second bound from a one-GPU run at this run's per-rank budget (``--budget-bound-from``).
 
@@ -300,19 +308,35 @@ def same_budget_bound(
     path = args.budget_bound_from
     if path is None:
         return None
-    one = json.loads(path.read_text())
-    if one["gpus"] != 1 or one["config"]["lengths"]["per_step_count"] != lengths["per_step_count"]:
-        raise SystemExit(f"--budget-bound-from {path} is not a one-GPU run of these batches")
-    if one["config"]["tokens_per_rank"] != args.tokens_per_rank:
-        raise SystemExit(f"--budget-bound-from {path} ran another per-rank budget (tokens_per_rank)")
+    one = _one_gpu_run(
+        path, flag="--budget-bound-from", lengths=lengths, tokens_per_rank=args.tokens_per_rank
+    )
     best = max(one["repeats"], key=lambda layout: statistics.median(one["repeats"][layout]))
-    bound = statistics.median(one["repeats"][best]) * dist.get_world_size()
+    one_tps = statistics.median(one["repeats"][best])
+    return _bound(
+        path, one_tps, ranks=ranks, medians=medians, layout=best,
+        tokens_key="bound_tokens_per_s", speedup_key="bound_speedup_vs_static4",
+    )  # fmt: skip
+
+
+def _bound(
+    path: Path,
+    one_tps: float,
+    *,
+    ranks: int,
+    medians: dict[str, float],
+    layout: str,
+    tokens_key: str,
+    speedup_key: str,
+) -> dict[str, Any]:
+    """One GPU's median tokens/s x ``ranks`` (``tokens_key``), over static CP 4's median (``speedup_key``)."""
+    total = one_tps * ranks
     return {
         "source": str(path),
-        "one_gpu_layout": best,
-        "one_gpu_tokens_per_s": bound / dist.get_world_size(),
-        "bound_tokens_per_s": bound,
-        "bound_speedup_vs_static4": bound / medians["static4"] if "static4" in medians else None,
+        "one_gpu_layout": layout,
+        "one_gpu_tokens_per_s": one_tps,
+        tokens_key: total,
+        speedup_key: total / medians["static4"] if "static4" in medians else None,
     }
 
 
@@ -325,7 +349,7 @@ def write_results(
     lengths = lengths_summary(args, steps_lens)
     medians = {k: statistics.median(v) for k, v in repeats.items()}
     base = medians.get("static4")
-    bound = ideal_bound(args, lengths, medians)
+    bound = ideal_bound(args, lengths, medians, ranks=dist.get_world_size())
     record = write_record(
         args.out,
         benchmark="dyncp_longtail",
@@ -348,7 +372,7 @@ def write_results(
             },
             "speedup_vs_static4_median": {k: v / base for k, v in medians.items()} if base else {},
             "ideal_bound": bound,
-            "same_budget_bound": same_budget_bound(args, lengths, medians),
+            "same_budget_bound": same_budget_bound(args, lengths, medians, ranks=dist.get_world_size()),
         },
     )
     print(

@@ -282,3 +282,51 @@ def test_the_targets_table_is_rewritten_in_place(tmp_path: Path) -> None:
     targets_table.write(doc, targets)
     assert doc.read_text() == f"# T\n\n{targets_table.table(json.loads(targets.read_text()))}\n\nAfter.\n"
     assert "| `k` | 0.500 | <= 0.6 (x) | yes | G | abc | `r.json` |" in doc.read_text()
+
+
+def test_both_dynamic_cp_bounds_check_their_one_gpu_record_and_scale_its_median(tmp_path: Path) -> None:
+    """benchmarks/dyncp_longtail.py: the ideal bound (one GPU at the pool budget, eager) and the same-budget bound
+    (one GPU at the per-rank budget, its fastest layout) are the one-GPU median x ranks over static CP 4's median,
+    and a record of other batches or another budget is refused by name."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import dyncp_longtail
+
+    lengths = {"per_step_count": [22, 20, 8]}
+
+    def record(name: str, tokens_per_rank: int, repeats: dict[str, list[float]], gpus: int = 1) -> Path:
+        path = tmp_path / name
+        config = {"tokens_per_rank": tokens_per_rank, "lengths": lengths}
+        path.write_text(json.dumps({"gpus": gpus, "config": config, "repeats": repeats}))
+        return path
+
+    ideal = record("ideal.json", 8192, {"none": [60.0, 64.0, 70.0]})
+    budget = record("budget.json", 2048, {"none": [20.0, 22.0], "none+graph": [30.0, 34.0]})
+    args = argparse.Namespace(ideal_from=ideal, budget_bound_from=budget, tokens_per_rank=2048)
+    medians = {"static4": 100.0}
+    got = dyncp_longtail.ideal_bound(args, lengths, medians, ranks=4)
+    assert got["ideal_tokens_per_s"] == 256.0 and got["ideal_bound_speedup_vs_static4"] == 2.56
+    got = dyncp_longtail.same_budget_bound(args, lengths, medians, ranks=4)
+    assert got["one_gpu_layout"] == "none+graph" and got["bound_tokens_per_s"] == 128.0
+    assert got["bound_speedup_vs_static4"] == 1.28
+    assert dyncp_longtail.same_budget_bound(args, lengths, {}, ranks=4)["bound_speedup_vs_static4"] is None
+    wrong_budget = argparse.Namespace(ideal_from=budget, tokens_per_rank=2048)
+    with pytest.raises(
+        SystemExit, match=r"--ideal-from .* cut other micro-batches \(tokens_per_rank 2048, 8192"
+    ):
+        dyncp_longtail.ideal_bound(wrong_budget, lengths, medians, ranks=4)
+    args.budget_bound_from = record("two.json", 2048, {"none": [1.0]}, gpus=2)
+    with pytest.raises(SystemExit, match="--budget-bound-from .* is not a one-GPU run of these batches"):
+        dyncp_longtail.same_budget_bound(args, lengths, medians, ranks=4)
+
+
+def test_dyncp_layout_names_carry_the_attention_backend_and_which_decoder_graphs() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from dyncp_longtail import layout_options
+
+    assert layout_options("static4") == ("static4", "auto", None)
+    assert layout_options("dynamic+graph") == ("dynamic", "auto", "graph")  # every CP size
+    assert layout_options("dynamic+te+graph1") == ("dynamic", "te", "graph1")  # CP 1 only
+    with pytest.raises(SystemExit, match="at most one attention backend and one of"):
+        layout_options("dynamic+graph+graph1")
