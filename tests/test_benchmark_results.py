@@ -285,9 +285,9 @@ def test_the_targets_table_is_rewritten_in_place(tmp_path: Path) -> None:
 
 
 def test_both_dynamic_cp_bounds_check_their_one_gpu_record_and_scale_its_median(tmp_path: Path) -> None:
-    """benchmarks/dyncp_longtail.py: the ideal bound (one GPU at the pool budget, eager) and the same-budget bound
-    (one GPU at the per-rank budget, its fastest layout) are the one-GPU median x ranks over static CP 4's median,
-    and a record of other batches or another budget is refused by name."""
+    """benchmarks/dyncp_longtail.py: the ideal bound (one GPU at the pool budget) and the same-budget bound (one GPU
+    at the per-rank budget) are the one-GPU record's fastest median (eager or graphed) x ranks over static CP 4's
+    median, and a record of other batches or another budget is refused by name."""
     import argparse
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -307,6 +307,9 @@ def test_both_dynamic_cp_bounds_check_their_one_gpu_record_and_scale_its_median(
     medians = {"static4": 100.0}
     got = dyncp_longtail.ideal_bound(args, lengths, medians, ranks=4)
     assert got["ideal_tokens_per_s"] == 256.0 and got["ideal_bound_speedup_vs_static4"] == 2.56
+    args.ideal_from = record("ideal2.json", 8192, {"none": [60.0, 64.0], "none+graph": [90.0, 80.0]})
+    got = dyncp_longtail.ideal_bound(args, lengths, medians, ranks=4)  # the fastest way one GPU runs them
+    assert got["one_gpu_layout"] == "none+graph" and got["ideal_bound_speedup_vs_static4"] == 3.4
     got = dyncp_longtail.same_budget_bound(args, lengths, medians, ranks=4)
     assert got["one_gpu_layout"] == "none+graph" and got["bound_tokens_per_s"] == 128.0
     assert got["bound_speedup_vs_static4"] == 1.28
