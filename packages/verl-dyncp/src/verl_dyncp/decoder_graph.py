@@ -6,17 +6,18 @@ micro-batches over the budget, a second forward before a backward. :func:`instal
 dispatcher in the decoder's ``forward`` so the model (``GPTModel``) calls it as before; each call goes to a
 graph or to the decoder's own forward, and :attr:`DecoderGraph.counts` says how many went where and why.
 
-Graphs: one for CP-1 micro-batches, captured at install (a capture is seconds of eager warm-up, better paid
-before the first step); with ``cp_graphs`` (default) one per CP size k > 1 and group, captured at that group's
-first CP-k micro-batch that fits. A CP-k graph's capture and replays are collectives of its group, so every
-choice between graph and eager depends only on what all ranks of the group share: the micro-batch (its CP
-size, group, lengths), the autograd mode and the graph's backward state, which the group's ranks step through
-together, and a release, which the engine's offload makes on every rank. A graph is captured again on its
-first call after :meth:`DecoderGraph.release` (before an offload); a CP-k graph whose parameters moved without
-a release is an error (a recapture decided by one rank's addresses would leave its group waiting), a CP-1 graph
-recaptures. :meth:`DecoderGraph.uninstall` restores the decoder. Configurations a graph of one micro-batch cannot hold are refused at install, naming the
-setting: tensor or pipeline parallelism (several micro-batches in flight, collectives inside the graph),
-activation recompute, mixture of experts (token counts per expert vary), dropout (RNG inside the graph), FP8.
+Graphs: one for CP-1 micro-batches, captured at install (a capture is seconds of eager warm-up, better paid before
+the first step); with ``cp_graphs`` (default) one per CP size k > 1 and group, captured at that group's first CP-k
+micro-batch that fits. A CP-k graph's capture and replays are collectives of its group, so every choice between
+graph and eager depends only on what all ranks of the group share: the micro-batch (its CP size, group, lengths),
+the autograd mode and the graph's backward state, which the group's ranks step through together, and a release,
+which the engine's offload makes on every rank. A graph is captured again on its first call after
+:meth:`DecoderGraph.release` (before an offload); a CP-k graph whose parameters moved without a release is an error
+(a recapture decided by one rank's addresses would leave its group waiting), a CP-1 graph recaptures.
+:meth:`DecoderGraph.uninstall` restores the decoder. Configurations a graph of one micro-batch cannot hold are
+refused at install, naming the setting: tensor or pipeline parallelism (several micro-batches in flight,
+collectives inside the graph), activation recompute, mixture of experts (token counts per expert vary), dropout
+(RNG inside the graph), FP8.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """CUDA graphs of the decoder for an engine's training micro-batches (opt in: :func:`use_decoder_graphs`).
 
-Why: at Megatron-LM's dynamic-CP workload shape a CP-1 micro-batch's decoder is launch-bound (51.6 ms eager
-against 15.2 ms replayed from one graph, 1 x H200, docs/benchmarks.md), and dynamic CP runs most micro-batches
-at CP 1; the CP-2 / CP-4 micro-batches get one graph per CP size, captured by their group. This module wires :func:`verl_dyncp.install_decoder_graph` into a built engine: DDP's gradient hooks are
-moved onto the parameters (what lets a backward through DDP be captured, :mod:`verl_mcore_utils.ddp_graph_hooks`),
-each chunk's decoder gets a dispatcher, the engine's offload releases the graphs' memory and ``close()``
-uninstalls them. Micro-batches no graph can serve (forward-only, over the token budget) run eagerly;
-:func:`decoder_graph_counts` says how many went where.
+Why: at Megatron-LM's dynamic-CP workload shape a CP-1 micro-batch's decoder is launch-bound (51.6 ms eager against
+15.2 ms replayed from one graph, 1 x H200, docs/benchmarks.md), and dynamic CP runs most micro-batches at CP 1; the
+CP-2 / CP-4 micro-batches get one graph per CP size, captured by their group. This module wires
+:func:`verl_dyncp.install_decoder_graph` into a built engine: DDP's gradient hooks are moved onto the parameters
+(what lets a backward through DDP be captured, :mod:`verl_mcore_utils.ddp_graph_hooks`), each chunk's decoder gets
+a dispatcher, the engine's offload releases the graphs' memory and ``close()`` uninstalls them. Micro-batches no
+graph can serve (forward-only, over the token budget) run eagerly; :func:`decoder_graph_counts` says how many went
+where.
 """
 
 from __future__ import annotations
