@@ -5,7 +5,8 @@
 # Usage (wheelhouse installed, PYTHONPATH set, BENCH_COMMIT the commit): bash benchmarks/issue36_dyncp_gpu.sh TAG OUT
 # LAYOUTS (default static4,dynamic; e.g. static4,dynamic+graph1,dynamic+graph: CUDA graphs of the decoder for the
 # CP-1 micro-batches only, or for every CP size), TARGET_LAYOUT (the layout whose speedup goes to targets.json,
-# default dynamic), LIMIT (seconds of the 4-GPU run, default 240), SAME_BUDGET (below).
+# default dynamic), LIMIT (seconds of the 4-GPU run, default 240), SAME_BUDGET (below), BOUND_TAG (the tag of the
+# one-GPU bound records, default TAG: a one-GPU machine of the same GPU type may measure them, e.g. h200x1).
 set -uo pipefail
 TAG=${1:?tag, e.g. h200x4}; OUT=${2:?output dir}
 cd "$(dirname "$0")"
@@ -18,16 +19,17 @@ D=(--preset 1b --layers 12 --vocab 32000 --mean 1024 --sigma 1.0 --min-len 128 -
 # with graphs on both sides the two do not fit one 10-minute command: run PARTS=bounds, copy its records into
 # benchmarks/results/ (they travel with the tree), then PARTS=ab.
 PARTS=${PARTS:-bounds,ab}
-IDEAL=results/dyncp_megatron_workload_1gpu_$TAG.json
-BUDGET=results/dyncp_megatron_workload_1gpu_budget_$TAG.json
+BOUND_TAG=${BOUND_TAG:-$TAG}
+IDEAL=results/dyncp_megatron_workload_1gpu_$BOUND_TAG.json
+BUDGET=results/dyncp_megatron_workload_1gpu_budget_$BOUND_TAG.json
 if [[ ,$PARTS, == *,bounds,* ]]; then
   # the ideal bound: one GPU at the pool budget (8192-token micro-batches), eager and graphed, its fastest x 4
-  go 170 dyncp_megatron_workload_1gpu_$TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
+  go 170 dyncp_megatron_workload_1gpu_$BOUND_TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
     --tokens-per-rank 8192 --layouts none,none+graph --repeats 2 --out "$IDEAL"
   # SAME_BUDGET=1: also one GPU at the per-rank budget (2048-token micro-batches, eager and graphed), the bound
   # that perfect balance without communication would give within the budget (about 3 more minutes).
   if [ -n "${SAME_BUDGET:-}" ]; then
-    go 200 dyncp_megatron_workload_1gpu_budget_$TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
+    go 200 dyncp_megatron_workload_1gpu_budget_$BOUND_TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
       --tokens-per-rank 2048 --layouts none,none+graph --repeats 2 --out "$BUDGET"
   fi
 fi
