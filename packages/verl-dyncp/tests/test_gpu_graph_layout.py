@@ -3,7 +3,8 @@
 verl_dyncp.graphed_decoder captures megatron-core's TransformerBlock (verl-dyncp's attention, RoPE from the
 copied-in positions) once for GraphSlots(512 tokens, 8 sequences); micro-batches with other token counts,
 sequence counts and lengths, one filling the budget exactly, replay it. Each is compared with the eager
-decoder on the same micro-batch: output, input gradient, every parameter's gradient.
+decoder on the same micro-batch: output, input gradient, every parameter's gradient. Also: a CP-k
+micro-batch's graph inputs reach the GPU without the host waiting for it.
 """
 
 from __future__ import annotations
@@ -111,3 +112,44 @@ def test_one_graph_replays_micro_batches_of_any_layout_like_the_eager_decoder() 
         assert errors["out"] < 1e-2 and errors["dx"] < 1e-2, errors
         assert errors[worst] < 2e-2, (worst, errors[worst])
     assert "previous micro-batch's backward has not run" in result["refused"]
+
+
+def _cp_inputs_worker() -> dict[str, Any]:
+    """CP-2 and CP-4 graph inputs built on CUDA from a micro-batch's cached layout, with every synchronising
+    CUDA call an error (``set_sync_debug_mode``), against the same inputs built on the host."""
+    from verl_dyncp.graph_layout import GraphSlots, pad_cp_layout_to_slots
+    from verl_dyncp.layout import build_thd_layout
+
+    slots, seq_lens, mismatches = GraphSlots(tokens=1024, sequences=8), [300, 17, 611], []
+    for cp_size in (2, 4):
+        padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in seq_lens]
+        for rank in range(cp_size):
+            built = {
+                device: build_thd_layout(
+                    cu_seqlens=torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32),
+                    cu_seqlens_padded=torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32),
+                    cp_size=cp_size, cp_rank=rank, device=device,
+                )
+                for device in ("cpu", "cuda")
+            }  # fmt: skip
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # a busy queue: a copy that waited for it would stall here
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = pad_cp_layout_to_slots(built["cuda"], slots=slots)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = pad_cp_layout_to_slots(built["cpu"], slots=slots)
+            for name, a, b in zip(("position_ids", "valid", "full_index", "stream_index", "cu_q", "cu_k"),
+                                  got.tensors(), want.tensors(), strict=True):  # fmt: skip
+                if a.device.type != "cuda" or not torch.equal(a.cpu(), b):
+                    mismatches.append(f"CP {cp_size} rank {rank}: {name}")
+    return {"mismatches": mismatches}
+
+
+@pytest.mark.num_gpus(1)
+def test_cp_graph_inputs_reach_the_gpu_without_a_host_wait() -> None:
+    """A graphed CP-k micro-batch's inputs are built on the host and copied from pinned memory: a pageable
+    (blocking) copy would make the host wait for every kernel queued before the replay."""
+    (result,) = run_distributed(_cp_inputs_worker, world_size=1, backend="nccl", timeout_s=120)
+    assert result["mismatches"] == []

@@ -265,3 +265,23 @@ def test_the_cp_fit_rule_counts_the_whole_group_and_needs_even_slots() -> None:
     assert not GraphSlots(tokens=7, sequences=3).fit(tokens=8, sequences=1, cp_size=2)
     with pytest.raises(ValueError, match="needs a CP >= 2 micro-batch's own layout"):
         pad_cp_layout_to_slots(_layout([3, 2]), slots=slots)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_holds_is_the_fit_rule_over_a_layouts_padded_lengths_on_every_rank(cp_size: int) -> None:
+    """The dispatcher's one fit rule: decided by the whole micro-batch's padded lengths, so every rank of a CP
+    group gets the same answer (it replays with its group or runs eagerly with it)."""
+    unit = 2 * cp_size if cp_size > 1 else 1
+    for lens in ([5, 9, 2], [8 * cp_size], [1] * 7):
+        padded = [-(-n // unit) * unit for n in lens]
+        for slots in (GraphSlots(tokens=8, sequences=3), GraphSlots(tokens=16, sequences=8)):
+            want = slots.fit(tokens=sum(padded), sequences=len(padded), cp_size=cp_size)
+            answers = set()
+            for rank in range(cp_size):
+                layout = build_thd_layout(
+                    cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+                    cu_seqlens_padded=torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32),
+                    cp_size=cp_size, cp_rank=rank, device="cpu",
+                )  # fmt: skip
+                answers.add(slots.holds(layout))
+            assert answers == {want}, (lens, slots)

@@ -156,6 +156,7 @@ class DecoderGraph:
         self.decoder, self.slots, self.cp_graphs = decoder, slots, cp_graphs
         self._hidden_size, self._dtype = hidden_size, dtype
         self._forward = type(decoder).forward.__get__(decoder)  # the decoder's own forward
+        self._device = torch.device("cuda", torch.cuda.current_device())  # the key layouts are cached under
         self._static_cp = int(getattr(decoder.config, "context_parallel_size", 1))
         self.counts: Counter[str] = Counter()
         self.graph = GraphedDecoder(
@@ -204,21 +205,13 @@ class DecoderGraph:
             return "cp_group", None  # another group of this size: its graph's collectives are not ours
         if graph is not None and graph.backward_due:
             return "backward_due", None
-        fits = (
-            graph.fits(packed_seq_params) if graph is not None else self._fits_cp(packed_seq_params, context)
+        # the micro-batch's own (cached) layout; its padded lengths decide, the same on every rank of the group
+        layout = thd_layout(
+            packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=self._device
         )
-        if not fits:
+        if not self.slots.holds(layout):
             return "too_large", None
         return None, context
-
-    def _fits_cp(self, packed_seq_params: Any, context: Any) -> bool:
-        """Whether a CP-k micro-batch fits the slots before its graph exists (the same rule as ``fits``)."""
-        device = torch.device(
-            "cuda", torch.cuda.current_device()
-        )  # the key the batch's layout is cached under
-        layout = thd_layout(packed_seq_params, cp_size=context.size, cp_rank=context.rank, device=device)
-        padded = layout.padded_lens
-        return self.slots.fit(tokens=sum(padded), sequences=len(padded), cp_size=context.size)
 
     def _graph_for(self, context: Any) -> GraphedDecoder:
         """The graph of this CP size, captured or recaptured when needed (with its group, at the same call)."""

@@ -75,6 +75,12 @@ class GraphSlots:
         budget = cp_size * self.tokens
         return tokens <= budget and sequences + (tokens < budget) <= self.sequences
 
+    def holds(self, layout: ThdLayout) -> bool:
+        """Whether the micro-batch of ``layout`` (a micro-batch's own layout, its CP size's) fits: :meth:`fit`
+        over its padded lengths, which every rank of a CP group shares, so the group agrees on the answer."""
+        padded = layout.padded_lens
+        return self.fit(tokens=sum(padded), sequences=len(padded), cp_size=layout.cp_size)
+
 
 def pad_layout_to_slots(
     layout: ThdLayout, *, slots: GraphSlots
@@ -90,7 +96,7 @@ def pad_layout_to_slots(
             f"graph layouts are CP-1 only: this micro-batch's layout is for CP size {layout.cp_size}"
         )
     used, count = layout.num_local_tokens, len(layout.padded_lens)
-    if not slots.fit(tokens=used, sequences=count):
+    if not slots.holds(layout):
         raise ValueError(
             f"micro-batch of {used} tokens in {count} sequences does not fit GraphSlots(tokens={slots.tokens},"
             f" sequences={slots.sequences}) (one slot goes to the padding sequence when tokens are left"
@@ -123,24 +129,64 @@ def graph_thd_layout(
     for name, t in (("position_ids", position_ids), ("valid", valid)):
         if tuple(t.shape) != (slots.tokens,):
             raise ValueError(f"{name} must have shape ({slots.tokens},) for {slots}, got {tuple(t.shape)}")
+    return _graph_safe_layout(
+        slots=slots, cp_size=1, cp_rank=0, position_ids=position_ids, valid=valid, full_index=None,
+        stream_index=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+    )  # fmt: skip
+
+
+def _graph_safe_layout(
+    *,
+    slots: GraphSlots,
+    cp_size: int,
+    cp_rank: int,
+    position_ids: torch.Tensor,
+    valid: torch.Tensor,
+    full_index: torch.Tensor | None,
+    stream_index: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+) -> ThdLayout:
+    """A layout over a graph's input tensors: ``slots.tokens`` local rows, the maximum lengths the fixed
+    bounds of the slots (a query chunk at most ``T`` rows, a key stream at most ``k T``), no per-sequence host
+    lengths (what a graph cannot have; the varlen path needs none) and ``graph_safe`` set."""
     return ThdLayout(
-        cp_size=1,
-        cp_rank=0,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
         num_local_tokens=slots.tokens,
-        padded_lens=(),  # per-sequence host lengths are what a graph cannot have; the varlen path needs none
+        padded_lens=(),
         local_starts=(),
         full_starts=(),
         position_ids=position_ids,
         valid=valid,
-        full_index=None,
-        stream_index=None,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
+        full_index=full_index,
+        stream_index=stream_index,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=slots.tokens,
-        max_seqlen_k=slots.tokens,
+        max_seqlen_k=cp_size * slots.tokens,
         has_padding=True,
         graph_safe=True,
     )
+
+
+def _params_carrying(layout: ThdLayout, *, cp_group: Any) -> Any:
+    """megatron-core PackedSeqParams over a graph layout's tensors, with the CP context attached and the layout
+    cached under the (CP size, CP rank, device) key the attention looks up (so it never builds its own)."""
+    from verl_mcore_utils.compat import make_packed_seq_params  # megatron-core only when used
+
+    params = make_packed_seq_params(
+        qkv_format="thd",
+        cu_seqlens_q=layout.cu_seqlens_q,
+        cu_seqlens_kv=layout.cu_seqlens_k,
+        cu_seqlens_q_padded=layout.cu_seqlens_q,
+        cu_seqlens_kv_padded=layout.cu_seqlens_k,
+        max_seqlen_q=layout.max_seqlen_q,
+        max_seqlen_kv=layout.max_seqlen_k,
+    )
+    params = attach_cp_context(params, cp_group=cp_group)
+    getattr(params, LAYOUT_CACHE_ATTR)[(layout.cp_size, layout.cp_rank, str(layout.valid.device))] = layout
+    return params
 
 
 def graph_packed_seq_params(
@@ -151,21 +197,8 @@ def graph_packed_seq_params(
     What a graphed decoder's forward passes to megatron-core's TransformerBlock, built from its input tensors
     on every call (warm-up, capture); replays then read whatever layout was copied into those tensors.
     """
-    from verl_mcore_utils.compat import make_packed_seq_params  # megatron-core only when used
-
     layout = graph_thd_layout(cu_seqlens=cu_seqlens, position_ids=position_ids, valid=valid, slots=slots)
-    params = make_packed_seq_params(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens,
-        cu_seqlens_kv_padded=cu_seqlens,
-        max_seqlen_q=slots.tokens,
-        max_seqlen_kv=slots.tokens,
-    )
-    params = attach_cp_context(params, cp_group=None)
-    getattr(params, LAYOUT_CACHE_ATTR)[(1, 0, str(cu_seqlens.device))] = layout
-    return params
+    return _params_carrying(layout, cp_group=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +223,10 @@ class CpGraphInputs:
     stream_index: torch.Tensor
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in field order: the order a graph takes them in (and ``CpGraphInputs(*t)`` rebuilds)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 def pad_cp_micro_batch_to_slots(
@@ -232,20 +269,20 @@ def pad_cp_micro_batch_to_slots(
     def cu(values: list[int]) -> torch.Tensor:
         return torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int32)
 
-    layout = build_thd_layout(
-        cu_seqlens=cu(lens), cu_seqlens_padded=cu(padded), cp_size=cp_size, cp_rank=cp_rank, device=device
+    layout = build_thd_layout(  # on the host: no device work, no reads back
+        cu_seqlens=cu(lens), cu_seqlens_padded=cu(padded), cp_size=cp_size, cp_rank=cp_rank, device="cpu"
     )
     assert layout.full_index is not None and layout.stream_index is not None  # CP > 1
     chunks = 2 * slots.sequences + 1
 
     def fill(cu_lens: torch.Tensor) -> torch.Tensor:
-        out = torch.full((chunks,), int(cu_lens[-1]), dtype=torch.int32, device=cu_lens.device)
+        out = torch.full((chunks,), int(cu_lens[-1]), dtype=torch.int32)
         out[: cu_lens.numel()] = cu_lens
         return out
 
     valid = layout.valid.clone()
     valid[total // cp_size :] = False  # a rank's rows are in sequence order: the padding sequence's come last
-    return CpGraphInputs(
+    host = CpGraphInputs(
         position_ids=layout.position_ids,
         valid=valid,
         full_index=layout.full_index,
@@ -253,6 +290,20 @@ def pad_cp_micro_batch_to_slots(
         cu_seqlens_q=fill(layout.cu_seqlens_q),
         cu_seqlens_k=fill(layout.cu_seqlens_k),
     )
+    return CpGraphInputs(*(_to_device(t, device) for t in host.tensors()))
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device`` without making the host wait for the GPU.
+
+    Why: a copy from pageable memory synchronises the stream first (PyTorch's blocking copy), so a CP-k
+    replay would wait for every kernel queued before it. From pinned memory with ``non_blocking`` the copy is
+    queued like a kernel; the caching host allocator keeps the pinned block until the copy has run.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def graph_cp_thd_layout(inputs: CpGraphInputs, *, cp_size: int, cp_rank: int, slots: GraphSlots) -> ThdLayout:
@@ -273,24 +324,11 @@ def graph_cp_thd_layout(inputs: CpGraphInputs, *, cp_size: int, cp_rank: int, sl
         got = tuple(getattr(inputs, name).shape)
         if got != shape:
             raise ValueError(f"{name} must have shape {shape} for CP {cp_size} and {slots}, got {got}")
-    return ThdLayout(
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        num_local_tokens=slots.tokens,
-        padded_lens=(),
-        local_starts=(),
-        full_starts=(),
-        position_ids=inputs.position_ids,
-        valid=inputs.valid,
-        full_index=inputs.full_index,
-        stream_index=inputs.stream_index,
-        cu_seqlens_q=inputs.cu_seqlens_q,
+    return _graph_safe_layout(
+        slots=slots, cp_size=cp_size, cp_rank=cp_rank, position_ids=inputs.position_ids, valid=inputs.valid,
+        full_index=inputs.full_index, stream_index=inputs.stream_index, cu_seqlens_q=inputs.cu_seqlens_q,
         cu_seqlens_k=inputs.cu_seqlens_k,
-        max_seqlen_q=slots.tokens,
-        max_seqlen_k=cp_size * slots.tokens,
-        has_padding=True,
-        graph_safe=True,
-    )
+    )  # fmt: skip
 
 
 def pad_cp_layout_to_slots(layout: ThdLayout, *, slots: GraphSlots) -> CpGraphInputs:
@@ -326,18 +364,5 @@ def graph_cp_packed_seq_params(
     The CP-k counterpart of :func:`graph_packed_seq_params`: the attention finds the layout in the cache under
     its (CP size, CP rank, device) key and all-gathers K/V over ``cp_group`` inside the graph.
     """
-    from verl_mcore_utils.compat import make_packed_seq_params  # megatron-core only when used
-
     layout = graph_cp_thd_layout(inputs, cp_size=cp_size, cp_rank=cp_rank, slots=slots)
-    params = make_packed_seq_params(
-        qkv_format="thd",
-        cu_seqlens_q=inputs.cu_seqlens_q,
-        cu_seqlens_kv=inputs.cu_seqlens_k,
-        cu_seqlens_q_padded=inputs.cu_seqlens_q,
-        cu_seqlens_kv_padded=inputs.cu_seqlens_k,
-        max_seqlen_q=slots.tokens,
-        max_seqlen_kv=cp_size * slots.tokens,
-    )
-    params = attach_cp_context(params, cp_group=cp_group)
-    getattr(params, LAYOUT_CACHE_ATTR)[(cp_size, cp_rank, str(inputs.valid.device))] = layout
-    return params
+    return _params_carrying(layout, cp_group=cp_group)

@@ -32,7 +32,6 @@ offload and onload) is an error naming the fix (:meth:`GraphedDecoder.recapture`
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from typing import Any
 
@@ -178,7 +177,7 @@ class GraphedDecoder:
                 seq_lens=whole, padded_lens=whole, cp_size=self.cp_size, cp_rank=self.cp_rank, slots=slots,
                 device=device,
             )  # fmt: skip
-            layout = _as_tuple(inputs)
+            layout = inputs.tensors()
         sample = (hidden, *layout)
         module = _DecoderOverGraphInputs(self.decoder, slots, self._forward, self.cp_group)
         ddp = self._ddp_params
@@ -208,10 +207,7 @@ class GraphedDecoder:
         Under CP the answer depends only on the whole micro-batch (its padded lengths), so every rank of the
         group gives the same one: the group replays together or runs eagerly together.
         """
-        layout = self._layout(packed_seq_params)
-        return self.slots.fit(
-            tokens=sum(layout.padded_lens), sequences=len(layout.padded_lens), cp_size=self.cp_size
-        )
+        return self.slots.holds(self._layout(packed_seq_params))
 
     def _layout(self, packed_seq_params: Any) -> Any:
         return thd_layout(packed_seq_params, cp_size=self.cp_size, cp_rank=self.cp_rank, device=self._device)
@@ -241,7 +237,7 @@ class GraphedDecoder:
         if self.cp_group is None:
             inputs: tuple[torch.Tensor, ...] = pad_layout_to_slots(layout, slots=self.slots)
         else:
-            inputs = _as_tuple(pad_cp_layout_to_slots(layout, slots=self.slots))
+            inputs = pad_cp_layout_to_slots(layout, slots=self.slots).tensors()
         if self.moved():
             raise RuntimeError(
                 "GraphedDecoder: no graph, or the decoder's parameters (or their main_grad) moved since the"
@@ -262,11 +258,6 @@ class GraphedDecoder:
 
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self._backward_due = False
-
-
-def _as_tuple(inputs: CpGraphInputs) -> tuple[torch.Tensor, ...]:
-    """The graph's CP layout tensors in ``CpGraphInputs``' field order (what ``_DecoderOverGraphInputs`` takes)."""
-    return tuple(getattr(inputs, f.name) for f in dataclasses.fields(inputs))
 
 
 def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:
