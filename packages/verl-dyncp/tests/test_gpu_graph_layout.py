@@ -114,7 +114,7 @@ def test_one_graph_replays_micro_batches_of_any_layout_like_the_eager_decoder() 
     assert "previous micro-batch's backward has not run" in result["refused"]
 
 
-def _cp_inputs_worker() -> dict[str, Any]:
+def _cp_inputs_worker(rank: int, world_size: int) -> dict[str, Any]:
     """CP-2 and CP-4 graph inputs built on CUDA from a micro-batch's cached layout, with every synchronising
     CUDA call an error (``set_sync_debug_mode``), against the same inputs built on the host."""
     from verl_dyncp.graph_layout import GraphSlots, pad_cp_layout_to_slots
