@@ -25,12 +25,12 @@ BUDGET=results/dyncp_megatron_workload_1gpu_budget_$BOUND_TAG.json
 if [[ ,$PARTS, == *,bounds,* ]]; then
   # the ideal bound: one GPU at the pool budget (8192-token micro-batches), eager and graphed, its fastest x 4
   go 170 dyncp_megatron_workload_1gpu_$BOUND_TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
-    --tokens-per-rank 8192 --layouts none,none+graph --repeats 2 --out "$IDEAL"
+    --tokens-per-rank 8192 --layouts none,none+graph --repeats 3 --out "$IDEAL"
   # SAME_BUDGET=1: also one GPU at the per-rank budget (2048-token micro-batches, eager and graphed), the bound
   # that perfect balance without communication would give within the budget (about 3 more minutes).
   if [ -n "${SAME_BUDGET:-}" ]; then
     go 200 dyncp_megatron_workload_1gpu_budget_$BOUND_TAG "${RUN[@]}" --nproc-per-node 1 dyncp_longtail.py "${D[@]}" \
-      --tokens-per-rank 2048 --layouts none,none+graph --repeats 2 --out "$BUDGET"
+      --tokens-per-rank 2048 --layouts none,none+graph --repeats 3 --out "$BUDGET"
   fi
 fi
 if [[ ,$PARTS, == *,ab,* ]]; then

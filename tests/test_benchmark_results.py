@@ -324,6 +324,27 @@ def test_both_dynamic_cp_bounds_check_their_one_gpu_record_and_scale_its_median(
         dyncp_longtail.same_budget_bound(args, lengths, medians, ranks=4)
 
 
+def test_dyncp_speedups_are_over_the_fastest_static_cp_4_layout_measured(tmp_path: Path) -> None:
+    """A graphed dynamic layout is judged against static CP 4 with graphs too when that one runs faster."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import dyncp_longtail
+
+    assert dyncp_longtail.baseline({"dynamic": 150.0, "none": 300.0}) is None
+    assert dyncp_longtail.baseline({"static4": 100.0, "dynamic+graph": 150.0}) == ("static4", 100.0)
+    medians = {"static4": 100.0, "static4+graph": 125.0, "static4+te+graph1": 110.0, "dynamic+graph": 150.0}
+    assert dyncp_longtail.baseline(medians) == ("static4+graph", 125.0)
+    lengths = {"per_step_count": [3]}
+    ideal = tmp_path / "ideal.json"
+    config = {"tokens_per_rank": 8192, "lengths": lengths}
+    ideal.write_text(json.dumps({"gpus": 1, "config": config, "repeats": {"none+graph": [50.0]}}))
+    args = argparse.Namespace(ideal_from=ideal, tokens_per_rank=2048)
+    assert (
+        dyncp_longtail.ideal_bound(args, lengths, medians, ranks=4)["ideal_bound_speedup_vs_static4"] == 1.6
+    )
+
+
 def test_dyncp_layout_names_carry_the_attention_backend_and_which_decoder_graphs() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from dyncp_longtail import layout_options
