@@ -13,7 +13,8 @@ def graph_or_eager_steps(
 ) -> dict[str, Any]:
     """``steps`` PPO steps of the actor (two micro-batches each, an offload and onload between steps), with the
     decoder graphed or eager: per step the loss, the gradient norm and every parameter's fp32 ``main_grad``;
-    then the weights, the dispatcher's counts and the device memory the graph added."""
+    then the weights, the dispatcher's counts, the device memory the graph added and the bytes of the weights
+    on the fused weight-gradient path."""
     from functools import partial
 
     from rl_engine_workers import _engine, verl_batch
@@ -44,6 +45,12 @@ def graph_or_eager_steps(
         out["steps"].append({"loss": float(result["loss"]), "grad_norm": float(grad_norm), "grads": grads})
     out["params"] = {n: p.detach().float().cpu().clone() for n, p in unwrap_model(chunk).named_parameters()}
     out["counts"] = decoder_graph_counts(engine)
+    # the weights whose gradient the fused path adds into main_grad (marked by the last backward)
+    out["fused_bytes"] = sum(
+        p.numel() * p.element_size()
+        for p in chunk.parameters()
+        if getattr(p, "grad_added_to_main_grad", False)
+    )
     engine.close()
     return out
 
@@ -100,5 +107,35 @@ def cp_graph_or_eager_steps(
         out["losses"].append(loss)
     out["params"] = {n: p.detach().float().cpu().clone() for n, p in engine.model.named_parameters()}
     out["counts"] = decoder_graph_counts(engine)
+    engine.close()
+    return out
+
+
+def ddp_hook_run_by_hand(rank: int, world_size: int, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """megatron-core DDP's hook of a weight, moved onto it and run by hand (what a decoder graph does for the
+    weights whose gradient it adds into main_grad itself): main_grad as it was, the stand-in gradient cleared."""
+    from rl_engine_workers import _engine
+
+    from verl_engine.decoder_graphs import _ddp_and_model
+    from verl_mcore_utils.ddp_graph_hooks import ddp_hooks_on_parameters, run_ddp_hook
+
+    engine, _ = _engine(["trainer.n_gpus_per_node=1"], "actor", "random-init", "cuda", hf_config=hf_config)
+    chunk = engine.model[0] if isinstance(engine.model, list) else engine.model
+    ddp, _ = _ddp_and_model(chunk)  # megatron-core DDP wraps the engine's chunks on GPUs only
+    out: dict[str, Any] = {"moved": ddp_hooks_on_parameters(ddp)}
+    weight = next(p for n, p in ddp.named_parameters() if p.dim() == 2 and ".decoder." in n)
+    weight.main_grad.fill_(2.0)
+    weight.grad_added_to_main_grad = True  # the fused path added the gradient already
+    run_ddp_hook(weight)
+    out["kept"] = bool((weight.main_grad == 2.0).all())
+    out["grad_cleared"] = weight.grad is None
+    weight.grad_added_to_main_grad = False  # a stand-in gradient adds nothing even where DDP would add it
+    run_ddp_hook(weight)
+    out["kept_unflagged"] = bool((weight.main_grad == 2.0).all())
+    try:
+        run_ddp_hook(torch.nn.Parameter(torch.zeros(2, device="cuda")))
+        out["refused"] = ""
+    except ValueError as err:
+        out["refused"] = str(err)
     engine.close()
     return out

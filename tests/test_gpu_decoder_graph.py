@@ -9,7 +9,7 @@ Tolerances (bf16): the graph pads each micro-batch to 512 rows, so its GEMMs may
 than the eager shapes (other accumulation order): a few bf16 roundings, well under 1e-2 of a loss and 5e-2 of a
 gradient's norm; what the test guards against is order one: a weight gradient added twice (DDP's hook adding
 the fused path's placeholder, or the capture's warm-up left in main_grad) or lost (a hook left on a dropped
-node), or a stale graph after the offload.
+node), or a stale graph after the offload. And the graph's memory: no weight-sized gradient placeholders.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ def test_decoder_graphs_train_the_ddp_actor_like_the_eager_engine_across_an_offl
 
     (eager,) = run_distributed(graph_or_eager_steps, world_size=1, args=(HF, False), backend="nccl")
     (graph,) = run_distributed(graph_or_eager_steps, world_size=1, args=(HF, True), backend="nccl")
-    print("counts", graph["counts"], "graph bytes", graph["graph_bytes"])
+    print("counts", graph["counts"], "graph bytes", graph["graph_bytes"], "fused bytes", graph["fused_bytes"])
+    # the graph holds no gradient placeholder for the fused weights (one the size of each, before): what it keeps
+    # allocated is its inputs, outputs and the other parameters' gradients, under the fused weights' bytes here
+    assert graph["fused_bytes"] > 0, (
+        "no weight on the fused weight-gradient path: the check below means nothing"
+    )
+    assert graph["graph_bytes"] < graph["fused_bytes"], (graph["graph_bytes"], graph["fused_bytes"])
     # every training micro-batch replayed (2 steps x 2), the graph captured again after the offload
     assert graph["counts"].get("graph") == 4, graph["counts"]
     assert graph["counts"].get("captures") == 1, graph["counts"]
@@ -46,3 +52,15 @@ def test_decoder_graphs_train_the_ddp_actor_like_the_eager_engine_across_an_offl
             assert err <= 5e-2, (step, name, err)
     for name, ref in eager["params"].items():
         assert _rel(graph["params"][name], ref) <= 1e-2, name
+
+
+@pytest.mark.gpu
+def test_a_moved_ddp_hook_run_by_hand_keeps_main_grad_and_clears_the_stand_in() -> None:
+    """verl_mcore_utils.run_ddp_hook on megatron-core's own DDP: what a decoder graph runs after its backward for
+    the weights whose gradient it added into main_grad (it returns no gradient for them)."""
+    from decoder_graph_workers import ddp_hook_run_by_hand
+
+    (out,) = run_distributed(ddp_hook_run_by_hand, world_size=1, args=(HF,), backend="nccl")
+    assert out["moved"] > 0
+    assert out["kept"] and out["grad_cleared"] and out["kept_unflagged"], out
+    assert "call ddp_hooks_on_parameters(ddp) first" in out["refused"]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the lazy names, re-exported explicitly (`X as X`) for type 
     from verl_mcore_utils.ddp import describe_ddp_config as describe_ddp_config
     from verl_mcore_utils.ddp_graph_hooks import ddp_hook_is_on_parameter as ddp_hook_is_on_parameter
     from verl_mcore_utils.ddp_graph_hooks import ddp_hooks_on_parameters as ddp_hooks_on_parameters
+    from verl_mcore_utils.ddp_graph_hooks import run_ddp_hook as run_ddp_hook
     from verl_mcore_utils.fused_adam import use_fused_torch_adam as use_fused_torch_adam
     from verl_mcore_utils.model import build_gpt_model as build_gpt_model
     from verl_mcore_utils.model import local_layer_spec as local_layer_spec
@@ -90,6 +91,7 @@ _LAZY: dict[str, str] = {
     "describe_ddp_config": "verl_mcore_utils.ddp",
     "ddp_hook_is_on_parameter": "verl_mcore_utils.ddp_graph_hooks",
     "ddp_hooks_on_parameters": "verl_mcore_utils.ddp_graph_hooks",
+    "run_ddp_hook": "verl_mcore_utils.ddp_graph_hooks",
     "build_gpt_model": "verl_mcore_utils.model",
     "build_mtp_block": "verl_mcore_utils.mtp",
     "destroy_parallel": "verl_mcore_utils.parallel",

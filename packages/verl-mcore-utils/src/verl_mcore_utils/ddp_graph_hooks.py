@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ddp_hook_is_on_parameter", "ddp_hooks_on_parameters"]
+__all__ = ["ddp_hook_is_on_parameter", "ddp_hooks_on_parameters", "run_ddp_hook"]
 
 _MOVED = "_verl_ddp_hook_on_parameter"
+_HOOK = "_verl_ddp_post_hook"
 
 
 def ddp_hooks_on_parameters(ddp: Any) -> int:
@@ -49,8 +50,10 @@ def ddp_hooks_on_parameters(ddp: Any) -> int:
         )
     accs.clear()  # the nodes (and the hooks on them) go with their last reference
     for param in params:
-        param.register_post_accumulate_grad_hook(_on_parameter(ddp._make_backward_post_hook(param)))
+        hook = ddp._make_backward_post_hook(param)
+        param.register_post_accumulate_grad_hook(_on_parameter(hook))
         setattr(param, _MOVED, True)
+        setattr(param, _HOOK, hook)
     setattr(ddp, _MOVED, True)
     return len(params)
 
@@ -58,6 +61,26 @@ def ddp_hooks_on_parameters(ddp: Any) -> int:
 def ddp_hook_is_on_parameter(param: torch.Tensor) -> bool:
     """Whether ``param``'s DDP hook was moved by :func:`ddp_hooks_on_parameters`."""
     return bool(getattr(param, _MOVED, False))
+
+
+def run_ddp_hook(param: torch.Tensor) -> None:
+    """Run DDP's gradient hook of ``param`` as a backward would after accumulating a gradient into it.
+
+    Why: a CUDA graph of the backward that adds a weight's gradient into ``main_grad`` itself (megatron-core's
+    fused weight-gradient path) need not return that weight's gradient at all: returned, it is a placeholder the
+    size of the weight held by the graph for good, and copied by ``AccumulateGrad`` on every backward. Not
+    returned, no hook runs, so the graph's owner runs it here: a zero-stride zero gradient stands in (DDP asserts a
+    gradient under overlapped reduction; it adds nothing once ``grad_added_to_main_grad`` is set, and zeros where
+    ``zero_out_wgrad`` asks for the add), DDP clears it and marks the parameter ready for its bucket's reduction.
+    Raises ValueError for a parameter whose hook :func:`ddp_hooks_on_parameters` did not move.
+    """
+    hook = getattr(param, _HOOK, None)
+    if hook is None:
+        raise ValueError(
+            "run_ddp_hook: this parameter's DDP hook was not moved onto it; call ddp_hooks_on_parameters(ddp) first"
+        )
+    param.grad = torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
+    hook()
 
 
 def _on_parameter(hook: Any) -> Any:
