@@ -13,13 +13,13 @@ def graph_or_eager_steps(
 ) -> dict[str, Any]:
     """``steps`` PPO steps of the actor (two micro-batches each, an offload and onload between steps), with the
     decoder graphed or eager: per step the loss, the gradient norm and every parameter's fp32 ``main_grad``;
-    then the weights, the dispatcher's counts, the device memory the graph added and the bytes of the weights
-    on the fused weight-gradient path."""
+    then the weights, the dispatcher's counts, the device memory the install added, the bytes of the weights on
+    the fused weight-gradient path and the device memory the graph held after the last step."""
     from functools import partial
 
     from rl_engine_workers import _engine, verl_batch
 
-    from verl_engine.decoder_graphs import decoder_graph_counts, use_decoder_graphs
+    from verl_engine.decoder_graphs import decoder_graph_counts, release_decoder_graphs, use_decoder_graphs
     from verl_engine.losses import ppo_loss
     from verl_mcore_utils.module import unwrap_model
 
@@ -41,16 +41,16 @@ def graph_or_eager_steps(
         with engine.train_mode():
             result = engine.forward_backward_batch({**batch, "calculate_entropy": True}, loss_fn)
             grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in chunk.named_parameters()}
+            # the weights whose gradient the fused path added into main_grad (marked by this backward)
+            fused = [p for p in chunk.parameters() if getattr(p, "grad_added_to_main_grad", False)]
+            out["fused_bytes"] = sum(p.numel() * p.element_size() for p in fused)
             grad_norm = engine.optimizer_step()
         out["steps"].append({"loss": float(result["loss"]), "grad_norm": float(grad_norm), "grads": grads})
     out["params"] = {n: p.detach().float().cpu().clone() for n, p in unwrap_model(chunk).named_parameters()}
     out["counts"] = decoder_graph_counts(engine)
-    # the weights whose gradient the fused path adds into main_grad (marked by the last backward)
-    out["fused_bytes"] = sum(
-        p.numel() * p.element_size()
-        for p in chunk.parameters()
-        if getattr(p, "grad_added_to_main_grad", False)
-    )
+    held = torch.cuda.memory_allocated()
+    release_decoder_graphs(engine)  # what the graph keeps allocated between steps goes with it
+    out["graph_held_bytes"] = held - torch.cuda.memory_allocated()
     engine.close()
     return out
 
