@@ -123,12 +123,12 @@ def _cp_inputs_worker(rank: int, world_size: int) -> dict[str, Any]:
     slots, seq_lens, mismatches = GraphSlots(tokens=1024, sequences=8), [300, 17, 611], []
     for cp_size in (2, 4):
         padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in seq_lens]
-        for rank in range(cp_size):
+        for cp_rank in range(cp_size):
             built = {
                 device: build_thd_layout(
                     cu_seqlens=torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32),
                     cu_seqlens_padded=torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32),
-                    cp_size=cp_size, cp_rank=rank, device=device,
+                    cp_size=cp_size, cp_rank=cp_rank, device=device,
                 )
                 for device in ("cpu", "cuda")
             }  # fmt: skip
@@ -143,7 +143,7 @@ def _cp_inputs_worker(rank: int, world_size: int) -> dict[str, Any]:
             for name, a, b in zip(("position_ids", "valid", "full_index", "stream_index", "cu_q", "cu_k"),
                                   got.tensors(), want.tensors(), strict=True):  # fmt: skip
                 if a.device.type != "cuda" or not torch.equal(a.cpu(), b):
-                    mismatches.append(f"CP {cp_size} rank {rank}: {name}")
+                    mismatches.append(f"CP {cp_size} rank {cp_rank}: {name}")
     return {"mismatches": mismatches}
 
 
