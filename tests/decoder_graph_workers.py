@@ -112,7 +112,7 @@ def cp_graph_or_eager_steps(
 
 
 def ddp_hook_run_by_hand(rank: int, world_size: int, hf_config: dict[str, Any]) -> dict[str, Any]:
-    """megatron-core DDP's hook of a weight, moved onto it and run by hand (what a decoder graph does for the
+    """megatron-core DDP's hook of a weight, moved onto it and run by hand (what a decoder graph would do for the
     weights whose gradient it adds into main_grad itself): main_grad as it was, the stand-in gradient cleared."""
     from rl_engine_workers import _engine
 

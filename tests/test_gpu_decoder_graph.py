@@ -53,8 +53,9 @@ def test_decoder_graphs_train_the_ddp_actor_like_the_eager_engine_across_an_offl
 
 @pytest.mark.gpu
 def test_a_moved_ddp_hook_run_by_hand_keeps_main_grad_and_clears_the_stand_in() -> None:
-    """verl_mcore_utils.run_ddp_hook on megatron-core's own DDP: what a decoder graph runs after its backward for
-    the weights whose gradient it added into main_grad (it returns no gradient for them)."""
+    """verl_mcore_utils.run_ddp_hook on megatron-core's own DDP: what a decoder graph that returns no gradient for
+    the weights whose gradient it adds into main_grad itself runs after its backward (docs/benchmarks.md: tried at
+    8b49330, to be wired in with a GPU run)."""
     from decoder_graph_workers import ddp_hook_run_by_hand
 
     (out,) = run_distributed(ddp_hook_run_by_hand, world_size=1, args=(HF,), backend="nccl")
