@@ -371,7 +371,10 @@ def write_results(
     steps_lens: list[list[int]],
     results: dict[str, Any],
     repeats: dict[str, list[float]],
+    *,
+    turns: int,
 ) -> None:
+    """The record after ``turns`` finished turns (rewritten after each); targets.json only after the last."""
     lengths = lengths_summary(args, steps_lens)
     medians = {k: statistics.median(v) for k, v in repeats.items()}
     base_layout, base = baseline(medians) or (None, None)
@@ -391,6 +394,7 @@ def write_results(
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
             "results": results,
             "repeats": repeats,
+            "turns_completed": turns,
             # every speedup is over the fastest static CP 4 layout measured (baseline())
             "baseline_layout": base_layout,
             "speedup_vs_static4": {
@@ -409,7 +413,7 @@ def write_results(
         json.dumps(record["same_budget_bound"]),
         flush=True,
     )
-    if args.targets:
+    if args.targets and turns == args.repeats:  # a target from fewer repeats than asked is never written
         if not base or args.target_layout not in medians or bound is None:
             raise SystemExit(
                 f"--targets needs a static4 layout, the {args.target_layout} layout and --ideal-from"
@@ -522,8 +526,8 @@ def main() -> None:
                 repeats.setdefault(name, []).append(run["tokens_per_s"])
             if dist.get_rank() == 0:
                 print(turn, name, json.dumps({k: v for k, v in run.items() if k != "losses"}), flush=True)
-    if dist.get_rank() == 0:
-        write_results(args, steps_lens, results, repeats)
+        if dist.get_rank() == 0:  # after every turn: a run cut by a time limit keeps its finished turns
+            write_results(args, steps_lens, results, repeats, turns=turn + 1)
     destroy_parallel()
     os._exit(0)
 

@@ -345,6 +345,36 @@ def test_dyncp_speedups_are_over_the_fastest_static_cp_4_layout_measured(tmp_pat
     )
 
 
+def test_dyncp_records_are_written_after_every_turn_and_targets_only_after_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run cut by a device command's time limit keeps its finished turns; a target from fewer repeats than
+    asked is never written (the last turn is where --targets checks what it needs)."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import dyncp_longtail
+
+    monkeypatch.setattr(dyncp_longtail.dist, "get_world_size", lambda: 4)
+    out = tmp_path / "r.json"
+    args = argparse.Namespace(
+        out=str(out), device="cpu", median=64.0, sigma=0.5, min_len=16, max_len=128, ideal_from=None,
+        budget_bound_from=None, tokens_per_rank=256, targets=True, target_layout="dynamic", repeats=3,
+    )  # fmt: skip
+    results = {"static4": {"tokens_per_s": 100.0}, "dynamic": {"tokens_per_s": 150.0}}
+    repeats = {"static4": [100.0], "dynamic": [150.0]}
+    dyncp_longtail.write_results(
+        args, [[20, 30], [40]], results, repeats, turns=1
+    )  # no --ideal-from: no target
+    record = json.loads(out.read_text())
+    assert record["turns_completed"] == 1 and record["baseline_layout"] == "static4"
+    assert record["speedup_vs_static4_median"]["dynamic"] == 1.5
+    with pytest.raises(
+        SystemExit, match="--targets needs a static4 layout, the dynamic layout and --ideal-from"
+    ):
+        dyncp_longtail.write_results(args, [[20, 30], [40]], results, repeats, turns=3)
+
+
 def test_dyncp_layout_names_carry_the_attention_backend_and_which_decoder_graphs() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from dyncp_longtail import layout_options
