@@ -71,13 +71,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def config(session: nox.Session) -> None:
-    """verl-config alone, with no torch in the environment (it must not need it)."""
+    """verl-config alone, with no torch in the environment (it must not need it); its annotations type-check."""
     _sync(session, "--package", "verl-config", "--no-default-groups")
-    session.install("pytest>=8", "hypothesis>=6", "pip>=24")  # pip: the refresh script's `pip download` test
+    # pip: the refresh script's `pip download` test; mypy: the package ships py.typed, so its annotations must hold
+    session.install("pytest>=8", "hypothesis>=6", "pip>=24", "mypy==2.4.1", "types-PyYAML")
     session.run(
         "python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     )
     session.run("verl-config", "generate", "--check")  # fails when the checked-in reference configs are stale
+    session.run("mypy", "--cache-dir", ".nox/mypy-cache", "packages/verl-config/src/verl_config")
     _pytest(session, "packages/verl-config/tests", "verl-config")
 
 

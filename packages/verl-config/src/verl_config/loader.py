@@ -15,7 +15,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf import errors as oc_errors
@@ -164,7 +164,7 @@ def _apply(cfg: DictConfig, ov: Override, hint: KeyHint | None) -> None:
                 f"override {ov.text!r}: cannot delete '{ov.key}', a key of the typed section {where};"
                 f" set it instead ({ov.key}=VALUE)"
             )
-        if ov.has_value and OmegaConf.to_container(OmegaConf.create({"v": parent[leaf]}))["v"] != ov.value:
+        if ov.has_value and _plain(parent[leaf]) != ov.value:
             raise ConfigValueError(
                 ov.key,
                 f"override {ov.text!r} deletes it only if it equals {format_value(ov.value)}, but it is {parent[leaf]!r}",
@@ -241,8 +241,8 @@ def _create_in_open_dict(cfg: DictConfig, parent_key: str, ov: Override, hint: K
             if (
                 node[part] is None
             ):  # an optional field that is null: start it empty, or at its section's defaults
-                section = node._get_node(part)._metadata.ref_type
-                if dataclasses.is_dataclass(section):
+                section = _child(node, part)._metadata.ref_type
+                if isinstance(section, type) and dataclasses.is_dataclass(section):
                     with defaults_only():
                         node[part] = section()
                 else:
@@ -323,7 +323,8 @@ def build_typed(
         for key in unset:
             OmegaConf.update(cfg, key, "???", merge=False)
     notes: list[str] = []
-    config = _build_node(cfg, data, "", notes, errors)
+    assert isinstance(data, dict)  # the root of a DictConfig is a mapping
+    config = _build_node(cfg, cast(Mapping[str, Any], data), "", notes, errors)
     errors.raise_if_any()
     return config, notes
 
@@ -338,6 +339,8 @@ def _build_node(
     node: DictConfig, data: Mapping[str, Any], path: str, notes: list[str], errors: ErrorCollector
 ) -> Any:
     cls = OmegaConf.get_type(node)
+    if cls is None:
+        raise TypeError(f"section {path or 'at the top level'!r} has no dataclass type to build")
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = data[f.name]
@@ -362,7 +365,9 @@ def _build_node(
         try:
             obj = cls(**kwargs)
         except ConfigError as err:
-            errors.add(err, prefix=path, source_of=functools.partial(_interpolation_source, node._get_root()))
+            root = node._get_root()
+            assert isinstance(root, DictConfig)  # a section's root is the whole config
+            errors.add(err, prefix=path, source_of=functools.partial(_interpolation_source, root))
             obj = _unchecked(cls, kwargs)
         except Exception:
             # A section whose rules read a value already reported as invalid may fail in other ways
@@ -387,16 +392,31 @@ def _interpolation_source(root: DictConfig, full_key: str) -> str | None:
         if not isinstance(current, DictConfig) or part not in current:
             return None
         if OmegaConf.is_interpolation(current, part):
-            match = re.fullmatch(r"\$\{([\w.]+)\}", str(current._get_node(part)._value()))
+            match = re.fullmatch(r"\$\{([\w.]+)\}", str(_child(current, part)._value()))
             return ".".join([match.group(1), *parts[depth + 1 :]]) if match else None
         current = current._get_node(part)
     return None
 
 
+def _child(node: DictConfig, key: str) -> Any:
+    """The node under ``key`` of ``node`` (which has it): omegaconf types the lookup as possibly None."""
+    child = node._get_node(key)
+    if child is None:
+        raise KeyError(key)
+    return child
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain Python (an omegaconf node converted, a scalar as it is)."""
+    container = OmegaConf.to_container(OmegaConf.create({"v": value}))
+    assert isinstance(container, dict)
+    return container["v"]
+
+
 def _unchecked(cls: type, kwargs: Mapping[str, Any]) -> Any:
     """An instance of ``cls`` with ``kwargs`` set but no ``__post_init__`` run: a stand-in for a section
     that failed its own checks, so that the sections above it can still check theirs."""
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     for key, value in kwargs.items():
         object.__setattr__(obj, key, value)
     return obj

@@ -127,11 +127,14 @@ def _check_step_batch(*, data: DataConfig, arr: ActorRolloutRefConfig, world: in
     """verl's first check: the step's sequences split evenly over the smallest possible batch."""
     sequences = data.train_batch_size * arr.rollout.n
     engine = getattr(arr.actor, "megatron", None)
+    micro = arr.actor.ppo_micro_batch_size_per_gpu
+    assert (
+        micro is not None
+    )  # check_micro refused a null one without dynamic batch sizes (the caller's guard)
     if engine is not None:
         minimal, how = (
-            actor_dp * arr.actor.ppo_micro_batch_size_per_gpu,
-            f"megatron DP {actor_dp} x actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-            f" {arr.actor.ppo_micro_batch_size_per_gpu}",
+            actor_dp * micro,
+            f"megatron DP {actor_dp} x actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu {micro}",
         )
     else:
         minimal, how = world, f"the world size {world}"
