@@ -511,6 +511,11 @@ def main() -> None:
         min_len=args.min_len,
         max_len=args.max_len,
     )
+    # the bound records are checked on every rank before any layout runs, so a wrong one stops the whole group at
+    # once (found by rank 0 alone when it writes the record, it would leave the others in the next collectives)
+    lengths = lengths_summary(args, steps_lens)
+    ideal_bound(args, lengths, {}, ranks=dist.get_world_size())
+    same_budget_bound(args, lengths, {}, ranks=dist.get_world_size())
     results: dict[str, Any] = {}
     repeats: dict[str, list[float]] = {}
     for turn in range(args.repeats):  # A/B/A/B...: drift of the lease hits every layout alike
