@@ -27,6 +27,7 @@ import torch
 
 from verl_dyncp.cp_context import LAYOUT_CACHE_ATTR, attach_cp_context
 from verl_dyncp.layout import ThdLayout, build_thd_layout
+from verl_mcore_utils.transfer import to_device_async
 
 __all__ = [
     "CpGraphInputs",
@@ -290,20 +291,9 @@ def pad_cp_micro_batch_to_slots(
         cu_seqlens_q=fill(layout.cu_seqlens_q),
         cu_seqlens_k=fill(layout.cu_seqlens_k),
     )
-    return CpGraphInputs(*(_to_device(t, device) for t in host.tensors()))
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device`` without making the host wait for the GPU.
-
-    Why: a copy from pageable memory synchronises the stream first (PyTorch's blocking copy), so a CP-k
-    replay would wait for every kernel queued before it. From pinned memory with ``non_blocking`` the copy is
-    queued like a kernel; the caching host allocator keeps the pinned block until the copy has run.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    # pinned and non_blocking: a blocking copy from pageable memory would make the host wait for every kernel
+    # queued before the replay (PyTorch synchronises the stream for it)
+    return CpGraphInputs(*(to_device_async(t, device) for t in host.tensors()))
 
 
 def graph_cp_thd_layout(inputs: CpGraphInputs, *, cp_size: int, cp_rank: int, slots: GraphSlots) -> ThdLayout:
