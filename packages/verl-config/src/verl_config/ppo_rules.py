@@ -128,9 +128,8 @@ def _check_step_batch(*, data: DataConfig, arr: ActorRolloutRefConfig, world: in
     sequences = data.train_batch_size * arr.rollout.n
     engine = getattr(arr.actor, "megatron", None)
     micro = arr.actor.ppo_micro_batch_size_per_gpu
-    assert (
-        micro is not None
-    )  # check_micro refused a null one without dynamic batch sizes (the caller's guard)
+    # check_micro refused a null one without dynamic batch sizes (the caller's guard)
+    assert micro is not None
     if engine is not None:
         minimal, how = (
             actor_dp * micro,
