@@ -22,8 +22,8 @@ import torch
 
 __all__ = ["ddp_hook_is_on_parameter", "ddp_hooks_on_parameters", "run_ddp_hook"]
 
-_MOVED = "_verl_ddp_hook_on_parameter"
-_HOOK = "_verl_ddp_post_hook"
+_MOVED = "_verl_ddp_hook_on_parameter"  # on the DDP wrapper: its hooks were moved
+_HOOK = "_verl_ddp_post_hook"  # on a parameter: DDP's hook, moved onto it
 
 
 def ddp_hooks_on_parameters(ddp: Any) -> int:
@@ -52,15 +52,14 @@ def ddp_hooks_on_parameters(ddp: Any) -> int:
     for param in params:
         hook = ddp._make_backward_post_hook(param)
         param.register_post_accumulate_grad_hook(_on_parameter(hook))
-        setattr(param, _MOVED, True)
-        setattr(param, _HOOK, hook)
+        setattr(param, _HOOK, hook)  # kept for run_ddp_hook; its presence is what "moved" means
     setattr(ddp, _MOVED, True)
     return len(params)
 
 
 def ddp_hook_is_on_parameter(param: torch.Tensor) -> bool:
     """Whether ``param``'s DDP hook was moved by :func:`ddp_hooks_on_parameters`."""
-    return bool(getattr(param, _MOVED, False))
+    return getattr(param, _HOOK, None) is not None
 
 
 def run_ddp_hook(param: torch.Tensor) -> None:
