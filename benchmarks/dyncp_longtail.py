@@ -368,14 +368,14 @@ def _bound(
 
 def write_results(
     args: argparse.Namespace,
-    steps_lens: list[list[int]],
+    lengths: dict[str, Any],
     results: dict[str, Any],
     repeats: dict[str, list[float]],
     *,
     turns: int,
 ) -> None:
-    """The record after ``turns`` finished turns (rewritten after each); targets.json only after the last."""
-    lengths = lengths_summary(args, steps_lens)
+    """The record after ``turns`` finished turns (rewritten after each); targets.json only after the last.
+    ``lengths``: :func:`lengths_summary` of the run's batches."""
     medians = {k: statistics.median(v) for k, v in repeats.items()}
     base_layout, base = baseline(medians) or (None, None)
     bound = ideal_bound(args, lengths, medians, ranks=dist.get_world_size())
@@ -532,7 +532,7 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(turn, name, json.dumps({k: v for k, v in run.items() if k != "losses"}), flush=True)
         if dist.get_rank() == 0:  # after every turn: a run cut by a time limit keeps its finished turns
-            write_results(args, steps_lens, results, repeats, turns=turn + 1)
+            write_results(args, lengths, results, repeats, turns=turn + 1)
     destroy_parallel()
     os._exit(0)
 

@@ -363,16 +363,15 @@ def test_dyncp_records_are_written_after_every_turn_and_targets_only_after_the_l
     )  # fmt: skip
     results = {"static4": {"tokens_per_s": 100.0}, "dynamic": {"tokens_per_s": 150.0}}
     repeats = {"static4": [100.0], "dynamic": [150.0]}
-    dyncp_longtail.write_results(
-        args, [[20, 30], [40]], results, repeats, turns=1
-    )  # no --ideal-from: no target
+    lengths = dyncp_longtail.lengths_summary(args, [[20, 30], [40]])
+    dyncp_longtail.write_results(args, lengths, results, repeats, turns=1)  # no --ideal-from: no target
     record = json.loads(out.read_text())
     assert record["turns_completed"] == 1 and record["baseline_layout"] == "static4"
     assert record["speedup_vs_static4_median"]["dynamic"] == 1.5
     with pytest.raises(
         SystemExit, match="--targets needs a static4 layout, the dynamic layout and --ideal-from"
     ):
-        dyncp_longtail.write_results(args, [[20, 30], [40]], results, repeats, turns=3)
+        dyncp_longtail.write_results(args, lengths, results, repeats, turns=3)
 
 
 def test_dyncp_layout_names_carry_the_attention_backend_and_which_decoder_graphs() -> None:
