@@ -672,3 +672,28 @@ def test_layout_built_with_the_packed_seq_params_equals_the_one_the_forward_woul
                 assert a is not None and a.dtype == b.dtype and torch.equal(a, b), f.name
             else:
                 assert a == b, f.name
+
+
+def test_a_layout_cached_ahead_of_the_attention_is_the_one_it_reads() -> None:
+    """Writers ahead of the forward (thd_packed_seq_params, the graph builders) and the attention's thd_layout
+    share one cache key: the prebuilt layout itself is read (no second build), for a device given as a string or
+    a torch.device, and another CP rank's key is not confused with it."""
+    from verl_dyncp.cp_context import LAYOUT_CACHE_ATTR
+    from verl_dyncp.layout import build_thd_layout, cache_layout, thd_layout, thd_packed_seq_params
+    from verl_dyncp.thd import build_thd_meta
+
+    meta = build_thd_meta(seq_lens=[8, 132, 4, 80], cp_size=1, cp_rank=0, tp_size=1, device="cpu")
+    params = thd_packed_seq_params(meta, cp_group=None)
+    (prebuilt,) = getattr(params, LAYOUT_CACHE_ATTR).values()
+    assert thd_layout(params, cp_size=1, cp_rank=0, device="cpu") is prebuilt
+    assert thd_layout(params, cp_size=1, cp_rank=0, device=torch.device("cpu")) is prebuilt
+    other = build_thd_layout(
+        cu_seqlens=meta.cu_seqlens,
+        cu_seqlens_padded=meta.cu_seqlens_padded,
+        cp_size=2,
+        cp_rank=1,
+        device="cpu",
+    )
+    cache_layout(params, other)
+    assert thd_layout(params, cp_size=2, cp_rank=1, device="cpu") is other
+    assert thd_layout(params, cp_size=1, cp_rank=0, device="cpu") is prebuilt

@@ -153,3 +153,17 @@ def test_cp_graph_inputs_reach_the_gpu_without_a_host_wait() -> None:
     (blocking) copy would make the host wait for every kernel queued before the replay."""
     (result,) = run_distributed(_cp_inputs_worker, world_size=1, backend="nccl", timeout_s=120)
     assert result["mismatches"] == []
+
+
+@pytest.mark.num_gpus(1)
+def test_a_layout_cached_on_the_gpu_is_found_under_cuda_with_or_without_an_index() -> None:
+    """The cache key carries the device's index: a layout cached from tensors on ``cuda:<i>`` is the one a
+    reader asking for ``"cuda"`` (the current device) gets, not a second build."""
+    from verl_dyncp.layout import thd_layout, thd_packed_seq_params
+    from verl_dyncp.thd import build_thd_meta
+
+    meta = build_thd_meta(seq_lens=[5, 130, 1, 77], cp_size=1, cp_rank=0, tp_size=1, device="cuda")
+    params = thd_packed_seq_params(meta, cp_group=None)
+    first = thd_layout(params, cp_size=1, cp_rank=0, device=torch.device("cuda", torch.cuda.current_device()))
+    assert thd_layout(params, cp_size=1, cp_rank=0, device="cuda") is first
+    assert first.position_ids is meta.position_ids  # the view thd_packed_seq_params cached, not a rebuild

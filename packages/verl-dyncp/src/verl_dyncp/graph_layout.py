@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from verl_dyncp.cp_context import LAYOUT_CACHE_ATTR, attach_cp_context
-from verl_dyncp.layout import ThdLayout, build_thd_layout
+from verl_dyncp.cp_context import attach_cp_context
+from verl_dyncp.layout import ThdLayout, build_thd_layout, cache_layout
 from verl_mcore_utils.transfer import to_device_async
 
 __all__ = [
@@ -186,7 +186,7 @@ def _params_carrying(layout: ThdLayout, *, cp_group: Any) -> Any:
         max_seqlen_kv=layout.max_seqlen_k,
     )
     params = attach_cp_context(params, cp_group=cp_group)
-    getattr(params, LAYOUT_CACHE_ATTR)[(layout.cp_size, layout.cp_rank, str(layout.valid.device))] = layout
+    cache_layout(params, layout)
     return params
 
 

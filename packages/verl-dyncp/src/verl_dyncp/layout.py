@@ -16,7 +16,7 @@ import torch.distributed as dist
 from verl_dyncp.cp_context import LAYOUT_CACHE_ATTR, attach_cp_context, get_cp_context
 from verl_dyncp.thd import build_thd_meta
 
-__all__ = ["ThdLayout", "build_thd_layout", "thd_layout", "thd_packed_seq_params"]
+__all__ = ["ThdLayout", "build_thd_layout", "cache_layout", "thd_layout", "thd_packed_seq_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def thd_layout(
 ) -> ThdLayout:
     """The layout of this rank's tokens for a batch, built once and cached on ``packed_seq_params``."""
     cache: dict[Any, ThdLayout] | None = getattr(packed_seq_params, LAYOUT_CACHE_ATTR, None)
-    key = (cp_size, cp_rank, str(device))
+    key = _cache_key(cp_size=cp_size, cp_rank=cp_rank, device=device)
     if cache is not None and key in cache:
         return cache[key]
     if packed_seq_params.cu_seqlens_q is None:
@@ -75,11 +75,26 @@ def thd_layout(
         cp_rank=cp_rank,
         device=device,
     )
+    cache_layout(packed_seq_params, layout)
+    return layout
+
+
+def cache_layout(packed_seq_params: Any, layout: ThdLayout) -> None:
+    """Cache ``layout`` on ``packed_seq_params`` where :func:`thd_layout` looks it up: under its own CP size,
+    CP rank and device (the one key, so that a writer ahead of the attention and its reader cannot drift)."""
+    cache: dict[Any, ThdLayout] | None = getattr(packed_seq_params, LAYOUT_CACHE_ATTR, None)
     if cache is None:
         cache = {}
         object.__setattr__(packed_seq_params, LAYOUT_CACHE_ATTR, cache)
-    cache[key] = layout
-    return layout
+    cache[_cache_key(cp_size=layout.cp_size, cp_rank=layout.cp_rank, device=layout.valid.device)] = layout
+
+
+def _cache_key(*, cp_size: int, cp_rank: int, device: torch.device | str) -> tuple[int, int, str]:
+    """``"cuda"`` and ``"cuda:<current>"`` name one device: the key carries the index either way."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return cp_size, cp_rank, str(resolved)
 
 
 def build_thd_layout(
@@ -215,4 +230,4 @@ def _prebuild_layout(params: Any, meta: Any) -> None:
             cp_rank=context.rank,
             device=device,
         )
-    getattr(params, LAYOUT_CACHE_ATTR)[(context.size, context.rank, str(device))] = layout
+    cache_layout(params, layout)
