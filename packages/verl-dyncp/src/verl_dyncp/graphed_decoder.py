@@ -21,8 +21,11 @@ AccumulateGrad node alive, made on the legacy default stream. Two more points of
 
 * the fused weight-gradient path (``gradient_accumulation_fusion``) adds a weight's gradient into
   ``main_grad`` inside the backward, which the graph replays at ``main_grad``'s address, and marks the weight
-  (``grad_added_to_main_grad``) from Python, which a replay does not redo: the weights the capture's eager
-  warm-up marked are marked again on every call, so DDP's hook does not add the placeholder gradient;
+  (``grad_added_to_main_grad``) from Python, which a replay does not redo: the weights one eager pass before
+  the capture marked are marked again on every call. The graph returns no gradient for them (a placeholder the
+  size of each weight would stay in the graph's pool, and ``AccumulateGrad`` would copy it every backward): they
+  are left out of its input surface, and their DDP hooks run after its backward
+  (:func:`verl_mcore_utils.ddp_graph_hooks.run_ddp_hook`: the bucket readiness of overlapped reduction);
 * the capture's warm-up backward passes add into ``main_grad`` too: it is saved (to host memory) before the
   capture and put back after.
 
@@ -118,6 +121,7 @@ class GraphedDecoder:
             )
         self._ddp_params = ddp_parameters(decoder)
         self._fused: list[torch.nn.Parameter] = []  # weights whose gradient the graph adds to main_grad
+        self._surface: tuple[torch.nn.Parameter, ...] = ()  # the parameters whose gradient the graph returns
         self.slots, self.decoder = slots, decoder
         self._hidden_size, self._dtype, self._warmup = hidden_size, dtype, num_warmup_iters
         self._forward = forward if forward is not None else type(decoder).forward.__get__(decoder)
@@ -186,8 +190,14 @@ class GraphedDecoder:
         for p in ddp:
             p.grad_added_to_main_grad = False
         try:
-            self._graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self._warmup)
-            self._fused = [p for p in ddp if p.grad_added_to_main_grad]
+            self._fused = _fused_weights(module, sample, ddp)
+            fused = {id(p) for p in self._fused}
+            # the graph's input surface: its inputs and the parameters whose gradient it returns; a fused weight's
+            # gradient is added into main_grad inside the graph, and its DDP hook is run after the backward
+            self._surface = tuple(p for p in self._params if id(p) not in fused)
+            self._graphed = torch.cuda.make_graphed_callables(
+                _Tensors(module, inputs=len(sample)), (*sample, *self._surface), num_warmup_iters=self._warmup
+            )
         finally:
             for p, flag, grad in zip(ddp, flags, grads, strict=True):
                 p.grad_added_to_main_grad = flag
@@ -247,7 +257,11 @@ class GraphedDecoder:
             )
         used = hidden.shape[0]
         padded = F.pad(hidden, (0, 0, 0, 0, 0, self.slots.tokens - used))
-        out = self._graphed(padded, *inputs)
+        if (
+            torch.is_grad_enabled() and not padded.requires_grad
+        ):  # the backward's hook needs a gradient to fire on
+            padded = padded.detach().requires_grad_()
+        out = self._graphed(padded, *inputs, *self._surface)
         if torch.is_grad_enabled():
             for p in self._fused:  # what the eager backward's Python would have marked (module doc)
                 p.grad_added_to_main_grad = True
@@ -258,6 +272,40 @@ class GraphedDecoder:
 
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self._backward_due = False
+        if self._fused:
+            from verl_mcore_utils.ddp_graph_hooks import run_ddp_hook
+
+            for p in self._fused:  # the hooks AccumulateGrad would have run (the graph returns no gradient)
+                run_ddp_hook(p)
+
+
+class _Tensors:
+    """The graphed module as a function of tensors: ``inputs`` of its own, then parameters.
+
+    Why a function, not the module: ``make_graphed_callables`` adds every parameter of a module to the graph's
+    surface, so the graph would return a gradient for each, and for a fused weight that is a placeholder the size
+    of the weight, kept in the graph's pool for good. Passed as trailing arguments, the parameters that return a
+    gradient are the only ones in the surface (the module reads the same tensors, so nothing is copied).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, inputs: int) -> None:
+        self.module, self.inputs = module, inputs
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.module(*tensors[: self.inputs])
+
+
+def _fused_weights(
+    module: torch.nn.Module, sample: tuple[torch.Tensor, ...], ddp: list[torch.nn.Parameter]
+) -> list[torch.nn.Parameter]:
+    """The DDP parameters whose gradient the backward adds into ``main_grad`` itself (the fused weight-gradient
+    path marks them ``grad_added_to_main_grad``): found by one eager forward and backward of ``sample``, since
+    the marking happens inside megatron-core's backward (its flags are cleared before, by the caller)."""
+    if not ddp:
+        return []
+    out = module(*sample)
+    torch.autograd.grad(out, sample[0], grad_outputs=torch.ones_like(out))
+    return [p for p in ddp if p.grad_added_to_main_grad]
 
 
 def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:
