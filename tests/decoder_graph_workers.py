@@ -52,6 +52,14 @@ def graph_or_eager_steps(
     release_decoder_graphs(engine)  # what the graph keeps allocated between steps goes with it
     out["graph_held_bytes"] = held - torch.cuda.memory_allocated()
     engine.close()
+    # a closed engine's model goes with its last reference (moved DDP hooks once kept it and its optimizer state)
+    import gc
+    import weakref
+
+    model = weakref.ref(unwrap_model(chunk))
+    del chunk
+    gc.collect()
+    out["collected"] = model() is None
     return out
 
 
@@ -121,7 +129,7 @@ def ddp_hook_run_by_hand(rank: int, world_size: int, hf_config: dict[str, Any]) 
 
     engine, _ = _engine(["trainer.n_gpus_per_node=1"], "actor", "random-init", "cuda", hf_config=hf_config)
     chunk = engine.model[0] if isinstance(engine.model, list) else engine.model
-    ddp, _ = _ddp_and_model(chunk)  # megatron-core DDP wraps the engine's chunks on GPUs only
+    ddp, model = _ddp_and_model(chunk)  # megatron-core DDP wraps the engine's chunks on GPUs only
     out: dict[str, Any] = {"moved": ddp_hooks_on_parameters(ddp)}
     weight = next(p for n, p in ddp.named_parameters() if p.dim() == 2 and ".decoder." in n)
     weight.main_grad.fill_(2.0)
@@ -138,4 +146,13 @@ def ddp_hook_run_by_hand(rank: int, world_size: int, hf_config: dict[str, Any]) 
     except ValueError as err:
         out["refused"] = str(err)
     engine.close()
+    # the moved hooks hold DDP weakly: the closed engine's model goes with its last reference (a hook closing
+    # over DDP, held from the tensor's C++ side, kept every closed engine's model and optimizer state alive)
+    import gc
+    import weakref
+
+    module = weakref.ref(model)
+    del chunk, ddp, model, weight
+    gc.collect()
+    out["collected"] = module() is None
     return out

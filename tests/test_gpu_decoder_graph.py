@@ -43,6 +43,8 @@ def test_decoder_graphs_train_the_ddp_actor_like_the_eager_engine_across_an_offl
     # every training micro-batch replayed (2 steps x 2), the graph captured again after the offload
     assert graph["counts"].get("graph") == 4, graph["counts"]
     assert graph["counts"].get("captures") == 1, graph["counts"]
+    # a closed engine, graphed or not, lets its model go (the moved DDP hooks once kept model and optimizer alive)
+    assert eager["collected"] and graph["collected"], (eager["collected"], graph["collected"])
     for step, (e, g) in enumerate(zip(eager["steps"], graph["steps"], strict=True)):
         assert abs(g["loss"] - e["loss"]) <= 1e-2 * abs(e["loss"]), (step, g["loss"], e["loss"])
         assert abs(g["grad_norm"] - e["grad_norm"]) <= 2e-2 * e["grad_norm"], (step, g["grad_norm"])
@@ -68,3 +70,4 @@ def test_a_moved_ddp_hook_run_by_hand_keeps_main_grad_and_clears_the_stand_in() 
     assert out["moved"] > 0
     assert out["kept"] and out["grad_cleared"] and out["kept_unflagged"], out
     assert "call ddp_hooks_on_parameters(ddp) first" in out["refused"]
+    assert out["collected"], "the closed engine's module is still alive: a moved hook holds it"
