@@ -150,7 +150,8 @@ def _model_parallel_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
     for p in params:
         if tp_rank > 0 and not getattr(p, "tensor_model_parallel", False):
             continue
-        part = p.grad.detach().double().pow(2).sum().cpu()
+        # the caller passes only parameters with a grad
+        part = p.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
         if ep and not getattr(p, "allreduce", True):
             expert_sq += part
         else:
@@ -203,7 +204,7 @@ class MegatronBackend:
         return getattr(param, "main_grad", None)
 
     def describe(self, model: torch.nn.Module) -> str:
-        ddp_config = getattr(model, "ddp_config", None)
+        ddp_config: Any = getattr(model, "ddp_config", None)
         if getattr(ddp_config, "use_megatron_fsdp", False):
             return (
                 f"megatron (Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} + megatron optimizer)"

@@ -156,7 +156,7 @@ def build_rl_engine(
         micro_batching=micro_batching,
         device=device,
         fused_lm_head=fused_lm_head,
-        mtp=mtp if trains and model.mtp_layers and mtp.enable_train else None,
+        mtp=mtp if trains and model.mtp_layers and mtp.enable_train else None,  # type: ignore[union-attr]  # mtp is set
         moe=moe,
         engine_class=engine_class,
     )
@@ -181,7 +181,7 @@ def _model_config(
     hf = {**dict(hf_config), **dict(override_model_config or {})}
     mtp_layers = _mtp_layers(mtp, hf=hf, model_path=model_path, value_model=value_model)
     lora = lora if lora is not None and lora.enabled else None
-    if lora is not None and mtp_layers and mtp.enable_train:
+    if lora is not None and mtp_layers and mtp.enable_train:  # type: ignore[union-attr]  # mtp is set
         raise NotImplementedError(
             "actor_rollout_ref.model.mtp.enable_train=true with LoRA (model.lora.rank > 0): the adapters cover"
             " the decoder only, so the MTP layers would stay frozen and their loss would train nothing; set"

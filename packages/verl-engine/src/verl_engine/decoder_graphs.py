@@ -102,7 +102,7 @@ def _ddp_and_model(chunk: torch.nn.Module) -> tuple[Any, Any]:
     while hasattr(module, "module") and not hasattr(module, "decoder"):
         if type(module).__name__ == "DistributedDataParallel":
             ddp = module
-        module = module.module
+        module = module.module  # type: ignore[assignment]  # a wrapper's .module is a Module (nn.Module.__getattr__)
     if ddp is None or not hasattr(module, "decoder"):
         raise ValueError(
             f"use_decoder_graphs: model chunk {type(chunk).__name__} is not megatron-core DDP around a GPTModel"

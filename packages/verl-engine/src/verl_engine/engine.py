@@ -419,7 +419,8 @@ class RLEngine(RouterReplayMixin, ModelForward, WeightExport, Closeable):
         batch = call.batch
         loss_data = batch.rows(call.data, mb.indices, device=self.device) | call.scalars
         model_output = {k: batch.response_view(v, indices=mb.indices) for k, v in merged.items()}
-        return call.loss_function(model_output=model_output, data=loss_data, dp_group=None)
+        # reached only with a loss function (_step returns before without one)
+        return call.loss_function(model_output=model_output, data=loss_data, dp_group=None)  # type: ignore[misc]
 
     def _record(self, call: _Call, loss: torch.Tensor, metrics: Mapping[str, Any]) -> None:
         """Keep one micro-batch's loss and metrics on the device until the call ends."""

@@ -14,14 +14,18 @@ tokens, or its own pieces of a sequence).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
+
 __all__ = ["biased_routers", "update_expert_bias"]
 
 
-def biased_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+def biased_routers(chunks: Sequence[torch.nn.Module]) -> list[TopKRouter]:
     """The routers whose expert bias the step moves (training mode, bias not frozen), in a fixed order."""
     from verl_engine.moe import moe_routers
 

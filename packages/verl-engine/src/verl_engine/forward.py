@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +29,15 @@ class ModelForward:
     fused_lm_head: bool
     moe: MoeRouting | None
     mtp: MtpSettings | None
-    pool_size: int
     tp_group: Any
     tp_size: int
     use_remove_padding: bool
     value_model: bool
+
+    if TYPE_CHECKING:  # a property of RLEngine
+
+        @property
+        def pool_size(self) -> int: ...
 
     def _output_keys(self, entropy: bool) -> list[str]:
         if self.value_model:

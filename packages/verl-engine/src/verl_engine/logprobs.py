@@ -227,11 +227,11 @@ def _chunk_grad(
     log_p = scaled.sub_(lse[:, None])
     p = torch.exp(log_p)
     if grad_entropy is not None:
-        factor = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None])
+        factor = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None])  # type: ignore[index]  # saved when h flows
         if grad_log_probs is not None:
             factor.add_(grad_log_probs[:, None])
     else:
-        factor = log_p.copy_(grad_log_probs[:, None].expand_as(log_p))
+        factor = log_p.copy_(grad_log_probs[:, None].expand_as(log_p))  # type: ignore[index]  # g or h is set
     grad = p.mul_(factor).neg_()
     del log_p, factor
     if grad_log_probs is not None:

@@ -31,9 +31,12 @@ import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = [
     "MoeRouting",
@@ -57,7 +60,7 @@ class MoeRouting:
     padding_mask: bool
 
 
-def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[TopKRouter]:
     """The TopKRouter modules of the model chunks (empty for a dense model)."""
     from megatron.core.transformer.moe.router import TopKRouter
 

@@ -61,7 +61,8 @@ def _debug_adamw(chunks: Sequence[torch.nn.Module], settings: dict[str, Any]) ->
             f"optim.optimizer={settings['optimizer']!r}: the CPU debug backend runs Adam only; use optimizer=adam"
             " or run on GPUs"
         )
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if p.requires_grad:

@@ -129,7 +129,7 @@ def run_cpu_pipeline(
             x = None
             if not layout.is_first(c):
                 x = _recv(layout.prev_rank, dtype=dtype).requires_grad_(not forward_only)
-                chunk.set_input_tensor(x)
+                chunk.set_input_tensor(x)  # type: ignore[operator]  # megatron-core's method (nn.Module.__getattr__)
             with torch.set_grad_enabled(not forward_only):
                 out = forward(mb, chunk)
             if not layout.is_last(c):

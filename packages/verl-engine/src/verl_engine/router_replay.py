@@ -34,12 +34,15 @@ import contextlib
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl_engine.rl_batch import RLBatch, is_jagged, read_scalar
 from verl_engine.router_replay_stages import decoder_routers, stage_problems
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = [
     "ReplaySettings",
@@ -237,7 +240,7 @@ def keep_seen(on: bool) -> None:
     _KEEP_SEEN[0] = on
 
 
-def _wrap_router(router: torch.nn.Module, state: _RouterState) -> None:
+def _wrap_router(router: TopKRouter, state: _RouterState) -> None:
     """Make ``router.routing`` run with ``state`` current (per instance: the class is untouched)."""
     routing = type(router).routing
 
@@ -257,7 +260,7 @@ class RouterReplay:
     def __init__(
         self,
         settings: ReplaySettings,
-        routers: Sequence[tuple[int, torch.nn.Module]],
+        routers: Sequence[tuple[int, TopKRouter]],
         *,
         pipeline_group: Any = None,
     ) -> None:
@@ -393,7 +396,8 @@ class RouterReplayMixin:
         if missing:
             raise RuntimeError(f"router replay (record): layers {missing} did not route exactly once")
         local = torch.stack([s.recorded[0] for s in states], dim=1)  # [local tokens, L of this chunk, k]
-        local = sp_gather_rows(local, on=self.router_replay.sp)  # SP: the TP shards back to the sequence
+        # SP: the TP shards back to the sequence (router_replay is set: _stage_forward checked it)
+        local = sp_gather_rows(local, on=self.router_replay.sp)  # type: ignore[union-attr]
         merged = dynamic_cp_merge_output(local, micro_batch=mb.split, groups=self.cp_groups)  # type: ignore[attr-defined]
         assert routes.batch is not None
         offset = 0

@@ -13,10 +13,13 @@ router routes its rank's own tokens before any dispatch, whatever the EP size.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
 
 __all__ = ["chunk_of", "decoder_routers", "join_stage_routes", "moe_layer_ordinals", "stage_problems"]
 
@@ -80,7 +83,7 @@ def join_stage_routes(
     return out
 
 
-def decoder_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+def decoder_routers(chunks: Sequence[torch.nn.Module]) -> list[TopKRouter]:
     """The decoder's TopKRouters in layer order (MTP layers' routers excluded: the routes carry no rows for them)."""
     from megatron.core.transformer.moe.router import TopKRouter
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 __all__ = ["sp_gather_rows", "sp_shard_rows"]
 
 
-def _tp() -> tuple[int, int, object]:
+def _tp() -> tuple[int, int, dist.ProcessGroup | None]:
     from megatron.core import parallel_state as ps
 
     return (

@@ -31,7 +31,7 @@ class RowGrads(NamedTuple):
     grad_entropy: torch.Tensor | None
 
     def rows(self, start: int, end: int) -> RowGrads:
-        return RowGrads(*(None if t is None else t[start:end] for t in self))
+        return RowGrads(*(None if t is None else t[start:end] for t in self))  # type: ignore[arg-type]  # lse is set
 
 
 def torch_ops_only() -> contextlib.AbstractContextManager[None]:

@@ -4,7 +4,7 @@ and as a Hugging Face or PEFT directory. Every method is a collective over TP an
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,8 +18,12 @@ class WeightExport:
     hf_config: Mapping[str, Any] | None
     lora: Any
     value_model: bool
-    megatron_fsdp: bool
     _tokenizer_path: str | None
+
+    if TYPE_CHECKING:  # a property of RLEngine
+
+        @property
+        def megatron_fsdp(self) -> bool: ...
 
     def export_weight_buckets(
         self, *, bucket_bytes: int = 1 << 29, lora_mode: str | None = None

@@ -16,11 +16,15 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verl_config import ConfigError, SFTConfig, load_config
 from verl_engine.apps.interrupt import RunInterrupted
 from verl_engine.apps.quiet import quiet_third_party_notices
 from verl_engine.apps.run_dir import prepare_run_dir
+
+if TYPE_CHECKING:
+    from verl_engine.apps.ray_workers import RayWorkerGroup
 
 __all__ = ["main", "parse_train_args"]
 
@@ -190,7 +194,7 @@ def run_grpo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ray_group(overrides: list[str], *, device: str) -> object:
+def _ray_group(overrides: list[str], *, device: str) -> RayWorkerGroup:
     """A RayWorkerGroup of trainer.nnodes x trainer.n_gpus_per_node ranks (a local Ray if none is running)."""
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:

@@ -65,14 +65,15 @@ class Colocation:
     def actor_to(self, *, params: bool, grads: bool, optimizer: bool) -> None:
         """Bring the selected actor state on the device (True) or off it (False), as far as offload is set."""
         want = {"params": params, "grads": grads, "optimizer": optimizer}
-        moves = {"onload": {}, "offload": {}}
+        moves: dict[str, dict[str, bool]] = {"onload": {}, "offload": {}}
         for key, on in want.items():
             if self.actor[key] and self._actor_on[key] != on:
                 moves["onload" if on else "offload"][key] = True
                 self._actor_on[key] = on
         for direction, selected in moves.items():
             if selected:
-                sel = {k: selected.get(k, False) for k in self.actor}
+                # Any: passed as keyword arguments of call (the keys are params, grads, optimizer)
+                sel: dict[str, Any] = {k: selected.get(k, False) for k in self.actor}
                 self.workers.call("actor", direction, **sel)
 
     def ref_offload(self, on_device: bool) -> None:

@@ -214,7 +214,7 @@ def _plan(run: GRPORun) -> _Plan:
         raise FileNotFoundError(f"resume=True but {out / 'checkpoints'} has no checkpoint to resume from")
     if user_path is not None:
         hf = load_hf_config(user_path)
-        tokens: Tokens = tokens_of(user_path, hf)
+        tokens: Tokens | CharTokenizer = tokens_of(user_path, hf)
     else:
         tokens = CharTokenizer()
         hf = tiny_arithmetic_hf_config(
@@ -328,7 +328,7 @@ class _PhaseProgress:
         self.bar = None
         self.on = is_rank0() and total > 0
         if self.on and run.progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs installed (types-tqdm)
 
             self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
 

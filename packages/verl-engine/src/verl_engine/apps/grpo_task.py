@@ -16,9 +16,11 @@ __all__ = ["ArithmeticTask", "HFTokens", "Tokens", "tiny_arithmetic_hf_config", 
 class Tokens(Protocol):
     """What the task needs from a tokenizer (the embedded :class:`CharTokenizer` or :class:`HFTokens`)."""
 
-    bos_id: int | None
     eos_id: int
     pad_id: int
+
+    @property
+    def bos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 

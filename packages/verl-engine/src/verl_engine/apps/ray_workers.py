@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["EngineWorker", "RayWorkerGroup", "WorkerGroupError"]
@@ -148,7 +148,12 @@ class EngineWorker:
         engine = self.engines[role]
         if method in ("train_batch", "forward_backward_batch"):
             section = loss_config(self.configs[role], role=role)
-            fn = {"ppo": losses.ppo_loss, "value": losses.value_loss, "sft": losses.sft_loss}[loss or "ppo"]
+            fns: dict[str, Callable[..., Any]] = {
+                "ppo": losses.ppo_loss,
+                "value": losses.value_loss,
+                "sft": losses.sft_loss,
+            }
+            fn = fns[loss or "ppo"]
             with engine.train_mode():
                 out = getattr(engine, method)(data, partial(fn, config=section), **kwargs)
         elif method == "infer_batch":

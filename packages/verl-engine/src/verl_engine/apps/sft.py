@@ -200,7 +200,7 @@ class _StepLog:
         self.tokens_per_step = cfg.data.train_batch_size * cfg.data.max_length
         self.bar = None
         if enabled and cfg.trainer.progress_bar:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs installed (types-tqdm)
 
             total = cfg.trainer.total_training_steps
             self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)

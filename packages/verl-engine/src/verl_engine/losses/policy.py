@@ -128,7 +128,7 @@ def policy_loss(
         rollout_is_weights=rollout_is_weights,
     )
     weighted = rollout_is_weights is None or terms.weighted
-    losses = terms.losses if weighted else terms.losses * rollout_is_weights
+    losses = terms.losses if weighted else terms.losses * rollout_is_weights  # type: ignore[operator]  # not None here
     mask = response_mask if terms.mask is None else terms.mask.bool() & response_mask.bool()
     pg_loss = agg_loss(
         loss_mat=losses,

@@ -9,7 +9,7 @@ Metric names are verl 0.9.1's (``actor/pg_loss``, ``actor/entropy_loss``, ``crit
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -83,9 +83,9 @@ def ppo_loss(
     t = {k: None if v is None else masked(v, mask) for k, v in named.items()}
     loss, metrics = policy_loss(
         loss_mode=_loss_mode(config),
-        log_prob=t["model_output['log_probs']"],
-        old_log_prob=t["data['old_log_probs']"],
-        advantages=t["data['advantages']"],
+        log_prob=cast(torch.Tensor, t["model_output['log_probs']"]),
+        old_log_prob=cast(torch.Tensor, t["data['old_log_probs']"]),
+        advantages=cast(torch.Tensor, t["data['advantages']"]),
         response_mask=mask,
         loss_agg_mode=loss_agg_mode,
         config=config,
@@ -95,7 +95,10 @@ def ppo_loss(
     metrics["actor/pg_loss"] = _share(loss)
     if entropy is not None:
         entropy_loss = agg_loss(
-            loss_mat=t["model_output['entropy']"], loss_mask=mask, loss_agg_mode=loss_agg_mode, **agg_kwargs
+            loss_mat=cast(torch.Tensor, t["model_output['entropy']"]),
+            loss_mask=mask,
+            loss_agg_mode=loss_agg_mode,
+            **agg_kwargs,
         )
         metrics["actor/entropy_loss"] = _share(entropy_loss)
         if entropy_coeff != 0:
@@ -103,8 +106,8 @@ def ppo_loss(
     if use_kl:
         kl_coef = float(config_value(config, "kl_loss_coef", loss=name))
         kld = kl_penalty(
-            log_prob=t["model_output['log_probs']"],
-            ref_log_prob=t["data['ref_log_prob']"],
+            log_prob=cast(torch.Tensor, t["model_output['log_probs']"]),
+            ref_log_prob=cast(torch.Tensor, t["data['ref_log_prob']"]),
             kl_penalty=config_value(config, "kl_loss_type", loss=name),
         )
         kl_loss = agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=loss_agg_mode, **agg_kwargs)

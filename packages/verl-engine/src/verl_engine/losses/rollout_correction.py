@@ -364,6 +364,7 @@ def rollout_correction(
     ``rollout_corr/k3_kl`` (mean ``r - 1 - log r``, unclamped) over the valid tokens.
     """
     log_ratio = log_ratio.detach()
+    metrics: dict[str, Metric]
     weights, metrics = None, {}
     if settings.is_level is not None:
         weights, metrics = importance_weights(

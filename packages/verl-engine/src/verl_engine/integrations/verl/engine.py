@@ -12,7 +12,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,18 +71,21 @@ class VerlEngine(VerlWeightSync, BaseEngine):
         name = get_device_name()
         device = torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
         args = self.args
-        engine = build_rl_engine(
-            engine=args.engine,
-            model_path=args.model_path,
-            optim=args.optim,
-            micro_batching=_micro_batching(self.engine_config, infer=args.optim is None),
-            device=device,
-            value_model=args.value_model,
-            override_model_config=args.override_model_config,
-            total_training_steps=args.total_training_steps,
-            fused_lm_head=args.fused_lm_head,
-            lora=args.lora,
-            engine_class=VerlConventionEngine,
+        engine = cast(  # engine_class=VerlConventionEngine builds one
+            VerlConventionEngine,
+            build_rl_engine(
+                engine=args.engine,
+                model_path=args.model_path,
+                optim=args.optim,
+                micro_batching=_micro_batching(self.engine_config, infer=args.optim is None),
+                device=device,
+                value_model=args.value_model,
+                override_model_config=args.override_model_config,
+                total_training_steps=args.total_training_steps,
+                fused_lm_head=args.fused_lm_head,
+                lora=args.lora,
+                engine_class=VerlConventionEngine,
+            ),
         )
         engine.verl_dp_group = self._dp_group
         self.engine = engine

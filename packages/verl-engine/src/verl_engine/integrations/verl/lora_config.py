@@ -10,7 +10,7 @@ Settings this engine cannot honour are refused naming the key.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["lora_config"]
 
@@ -32,7 +32,12 @@ def lora_config(cfg: Any) -> tuple[Any | None, list[str]]:
     from verl_config.lora import LoraConfig, flat_target_modules, translate_target_modules
 
     block = getattr(cfg, "lora", None) or {}
-    block = dict(OmegaConf.to_container(block, resolve=True) if isinstance(block, DictConfig) else block)
+    # a DictConfig's container is a dict (OmegaConf.to_container is typed for every node kind)
+    block = dict(
+        cast(dict[str, Any], OmegaConf.to_container(block, resolve=True))
+        if isinstance(block, DictConfig)
+        else block
+    )
     flat_rank = int(getattr(cfg, "lora_rank", 0) or 0)
     problems: list[str] = []
     if getattr(cfg, "target_parameters", None):
