@@ -138,7 +138,7 @@ def _leave_together(store: dist.TCPStore, job: Job, timeout: datetime.timedelta)
     on the process group, which the function may have destroyed itself. A rank that failed never arrives:
     its peers wait here until the caller, having read the failure, discards them.
     """
-    store.set(f"verl_test/{job.call_id}/done/{job.rank}", b"1")
+    store.set(f"verl_test/{job.call_id}/done/{job.rank}", b"1")  # type: ignore[arg-type]  # bytes are accepted
     store.wait([f"verl_test/{job.call_id}/done/{r}" for r in range(job.world_size)], timeout)
 
 
@@ -222,7 +222,7 @@ def _reset_megatron() -> None:
     microbatches = sys.modules.get("megatron.core.num_microbatches_calculator")
     if microbatches is not None:
         microbatches.destroy_num_microbatches_calculator()
-    rng = sys.modules.get("megatron.core.tensor_parallel.random")
+    rng: Any = sys.modules.get("megatron.core.tensor_parallel.random")  # Any: its attributes are set below
     if rng is not None:  # "is the RNG tracker seeded?" must be answered as in a fresh process
         rng._CUDA_RNG_STATE_TRACKER = None
         rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -109,6 +109,12 @@ class _LocalSpecBridge(Bridge):
 
     Placed first in their bases, so ``super()`` reaches the mbridge model bridge.
     """
+
+    # mbridge's class dicts, shadowed per instance by _adjust_mapping_for_shared_weights
+    _DIRECT_MAPPING: dict[str, str]
+    _ATTENTION_MAPPING: dict[str, list[str]]
+    _MLP_MAPPING: dict[str, list[str]]
+    _OTHER_MAPPING: dict[str, list[str]]
 
     def _tied(self) -> bool:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))
@@ -262,6 +268,7 @@ def _build_chunks(bridge: Bridge, callbacks: Iterable[Callable[..., None]]) -> l
     """The GPTModel chunks of this pipeline rank (one per virtual stage), unwrapped."""
     provider = bridge._model_provider(list(callbacks))
     vpp = bridge.mpu.vpp_size
+    stages: list[tuple[bool, bool, int | None]]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and vpp is not None:
         stages = [
             (
@@ -323,7 +330,7 @@ def build_mbridge_model(
     _check_overrides(overrides)
     if isinstance(hf_path_or_config, (str, os.PathLike)):
         hf_path: str | None = os.fspath(hf_path_or_config)
-        hf_config = AutoConfig.from_pretrained(hf_path)
+        hf_config = AutoConfig.from_pretrained(cast(str, hf_path))  # os.fspath of a str path
     else:
         hf_path, hf_config = None, hf_path_or_config
         if load_weights:

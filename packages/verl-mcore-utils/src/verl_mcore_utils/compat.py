@@ -207,7 +207,7 @@ def megatron_fsdp_grad_precision(*, fp32: bool) -> dict[str, Any]:
     return fields
 
 
-def with_mlp_class(mlp_spec: Any, *, base: type, cls: type) -> Any:
+def with_mlp_class(mlp_spec: Any, *, base: type, cls: type[Any]) -> Any:
     """A layer spec's ``mlp`` entry building ``cls`` (a subclass of ``base``) where it built ``base``.
 
     Up to 0.18 the entry is ``ModuleSpec(module=MLP, submodules=...)``; 0.19 writes it as

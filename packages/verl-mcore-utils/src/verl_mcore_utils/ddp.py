@@ -44,8 +44,8 @@ def build_ddp_config(
     """
     overrides = dict(override_ddp_config or {})
     valid = set(ddp_config_fields())
-    for source, fields in (("path defaults", path_defaults or {}), ("override_ddp_config", overrides)):
-        unknown = sorted(set(fields) - valid)
+    for source, given in (("path defaults", path_defaults or {}), ("override_ddp_config", overrides)):
+        unknown = sorted(set(given) - valid)
         if unknown:
             raise ValueError(
                 f"{source}: unknown DistributedDataParallelConfig field(s) {unknown} for the installed megatron-core;"

@@ -158,7 +158,7 @@ class GroupedExperts(MegatronModule):
             etp != config.tensor_model_parallel_size
         )
         for param, dim in ((self.linear_fc1_weight, 1), (self.linear_fc2_weight, 2)):
-            param.allreduce = not expert_groups
+            param.allreduce = not expert_groups  # type: ignore[attr-defined]  # megatron's attribute
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
     def _activation(self, fc1_out: torch.Tensor) -> torch.Tensor:

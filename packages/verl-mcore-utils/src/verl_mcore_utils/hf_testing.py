@@ -35,6 +35,7 @@ def tiny_hf_config(model_type: str, *, tie_word_embeddings: bool = False, **over
         "attention_dropout": 0.0,
         "torch_dtype": "float32",
     }
+    cls: type[transformers.PretrainedConfig]
     if model_type == "qwen2":
         cls = transformers.Qwen2Config
     elif model_type == "qwen3":

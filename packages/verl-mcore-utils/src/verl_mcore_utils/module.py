@@ -147,7 +147,7 @@ def _add_value_head(chunk: torch.nn.Module, config: TransformerConfig) -> None:
             "a value model cannot share its output layer with the embedding (share_embeddings_and_output_weights /"
             " tie_word_embeddings); build the critic with tied embeddings off"
         )
-    old = chunk.output_layer
+    old: torch.nn.Module = chunk.output_layer  # type: ignore[assignment]  # a submodule, not a Tensor
     device = next(old.parameters()).device if any(True for _ in old.parameters()) else torch.device("cpu")
     head = ValueHead(config.hidden_size, dtype=config.params_dtype, device=device)
     # Initialised from its own generator (seeded with the process's torch seed), like megatron's output layer
@@ -238,7 +238,7 @@ def unwrap_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> Any:
     if isinstance(model, Sequence):
         return [unwrap_model(m) for m in model]
     while type(model).__name__ in _WRAPPER_NAMES and hasattr(model, "module"):
-        model = model.module
+        model = model.module  # type: ignore[assignment]  # a wrapper's .module is a Module
     return model
 
 

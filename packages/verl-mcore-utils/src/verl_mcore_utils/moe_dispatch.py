@@ -83,6 +83,8 @@ class PortableAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     megatron-core's own.
     """
 
+    routing_map: torch.Tensor  # set by megatron-core's dispatch_preprocess, before token_dispatch
+
     def token_dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,7 +96,7 @@ def _count_routed_tokens(
         with torch.no_grad():
             if padding_mask is not None:
                 routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-            router.local_tokens_per_expert += routing_map.sum(dim=0)
+            router.local_tokens_per_expert += routing_map.sum(dim=0)  # type: ignore[operator]  # a buffer (Tensor)
 
 
 def add_expert_bias(model: torch.nn.Module, tf_config: TransformerConfig) -> int:

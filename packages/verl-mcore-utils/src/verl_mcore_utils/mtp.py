@@ -79,7 +79,7 @@ def build_mtp_block(
 
 
 @torch.no_grad()
-def _initialise(block: torch.nn.Module, *, std: float) -> None:
+def _initialise(block: MultiTokenPredictionBlock, *, std: float) -> None:
     """Fresh MTP weights that do not depend on the parallel layout.
 
     Most checkpoints carry no MTP tensors (a GLM-4.5 checkpoint's MTP layer is loaded over this afterwards), so
@@ -168,9 +168,15 @@ def _whole_then_slice(
     shape = list(param.shape)
     if not (getattr(param, "tensor_model_parallel", False) and size > 1):
         return draw(shape)
-    shape[param.partition_dim] *= size
+    shape[param.partition_dim] *= size  # type: ignore[attr-defined]  # megatron's dynamic parameter attribute
     gate_up = glu and name.endswith("linear_fc1.weight")
-    return tp_slice(draw(shape), dim=param.partition_dim, gate_up=gate_up, rank=rank, size=size)
+    return tp_slice(
+        draw(shape),
+        dim=param.partition_dim,  # type: ignore[attr-defined]  # megatron's dynamic parameter attribute
+        gate_up=gate_up,
+        rank=rank,
+        size=size,
+    )
 
 
 def mtp_layer_forward(
@@ -199,7 +205,7 @@ def mtp_layer_forward(
             f"megatron-core {mcore_version()}: MultiTokenPredictionLayer has no _proj_and_transformer_layer;"
             " MTP is supported with megatron-core 0.14 to 0.19"
         )
-    if padding_mask is not None and layer.config.sequence_parallel:
+    if padding_mask is not None and layer.config.sequence_parallel:  # type: ignore[union-attr]  # a plain attribute
         from megatron.core import parallel_state
 
         size = parallel_state.get_tensor_model_parallel_world_size()

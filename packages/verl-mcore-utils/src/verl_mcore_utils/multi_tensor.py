@@ -57,7 +57,7 @@ def multi_tensor_l2_norm(
     device = tensors[0].device
     norms: list[torch.Tensor] = []
     for (group_device, _), group in _group(tensors).items():
-        group_norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        group_norms: Sequence[torch.Tensor] = torch._foreach_norm(group, 2.0, dtype=torch.float32)
         if group_device != device:
             group_norms = [n.to(device) for n in group_norms]
         norms.extend(group_norms)

@@ -20,6 +20,7 @@ class PortableRotaryEmbedding(RotaryEmbedding):
     """RotaryEmbedding whose frequencies live on ``self.target_device`` (set by make_rope_portable)."""
 
     target_device: torch.device
+    inv_freq: torch.Tensor  # set by RotaryEmbedding.__init__
 
     def forward(  # type: ignore[override]
         self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None, **_: Any

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from verl_mcore_utils.lora.inject import as_lora_config
 from verl_mcore_utils.lora.layer import DEFAULT_ADAPTER_NAME, import_peft
 from verl_mcore_utils.lora.sites import Site, full_tensor, is_rank0, lora_sites, pp_info, site_meta
 from verl_mcore_utils.weights import HFDims, split_gate_up, split_qkv, unwrap_model_chunks
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -36,7 +39,7 @@ def qkv_dims(hf_config: Any, chunks: Sequence[torch.nn.Module]) -> _QKV:
     if hf_config is not None:
         d = hf_config if isinstance(hf_config, HFDims) else HFDims.from_hf_config(hf_config)
         return _QKV(d.num_heads, d.num_query_groups, d.head_dim)
-    tf = chunks[0].config
+    tf: TransformerConfig = chunks[0].config
     heads = int(tf.num_attention_heads)
     return _QKV(heads, int(tf.num_query_groups or heads), int(tf.kv_channels))
 

@@ -146,7 +146,7 @@ def _freeze_base(chunks: Sequence[torch.nn.Module]) -> None:
     for chunk in chunks:
         head = getattr(chunk, "output_layer", None)
         if type(head).__name__ == "ValueHead":  # a critic's fresh value head must train with the adapters
-            keep.update(id(p) for p in head.parameters())
+            keep.update(id(p) for p in head.parameters())  # type: ignore[union-attr]  # not None: a ValueHead
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(id(param) in keep)

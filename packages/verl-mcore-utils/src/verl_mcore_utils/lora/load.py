@@ -7,7 +7,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from verl_mcore_utils.lora.export import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NA
 from verl_mcore_utils.lora.layer import DEFAULT_ADAPTER_NAME
 from verl_mcore_utils.lora.sites import Site, lora_sites, set_full
 from verl_mcore_utils.weights import merge_gate_up, merge_qkv, unwrap_model_chunks
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
@@ -82,7 +85,7 @@ def _tensors_by_module(raw: Mapping[str, torch.Tensor], path: Path) -> dict[str,
 def _check_coverage(
     by_module: Mapping[str, Mapping[str, torch.Tensor]],
     sites: Sequence[Site],
-    chunks: Sequence[torch.nn.Module],
+    chunks: Sequence[GPTModel],
     path: Path,
 ) -> None:
     """Every adapted linear here finds its A and B; every adapter module of a layer held here is adapted."""

@@ -27,7 +27,8 @@ class Site:
     suffix: str  # inside the TransformerLayer, e.g. "self_attention.linear_qkv"
     parent: torch.nn.Module
     attr: str
-    module: torch.nn.Module
+    # a megatron linear (torch.nn.Module); in lora_sites, peft's LoRA layer (its class is built at run time)
+    module: Any
 
     @property
     def name(self) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from verl_mcore_utils.offload.state import (
     onload_jobs,
 )
 
+if TYPE_CHECKING:
+    from verl_mcore_utils.offload.state import OffloadState
+
 
 def _ddp_buffers(chunk: torch.nn.Module) -> list[Any]:
     """megatron DDP's ``_ParamAndGradBuffer``s (``buffers`` + ``expert_parallel_buffers``), else [].
@@ -22,7 +25,7 @@ def _ddp_buffers(chunk: torch.nn.Module) -> list[Any]:
     megatron's DistributedDataParallel assigns a list to ``self.buffers``, shadowing
     ``nn.Module.buffers()``; a plain module has the method there.
     """
-    found = []
+    found: list[Any] = []
     for name in ("buffers", "expert_parallel_buffers"):
         value = getattr(chunk, name, None)
         if isinstance(value, (list, tuple)):
@@ -115,7 +118,7 @@ def onload_megatron_model(
     """
     chunks = _as_chunks(model_chunks)
     kinds = model_offload_kinds(params=params, grads=grads)
-    jobs = []
+    jobs: list[tuple[OffloadState, str]] = []
     for chunk in chunks:
         state = offloaded_state(chunk, what=str(kinds), plural=True)
         jobs.extend((state, kind) for kind in kinds)

@@ -74,7 +74,10 @@ def _release_cuda_cache() -> None:
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over a whole storage, whatever the dtypes of the tensors that use it."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+    # stride is optional at run time (contiguous); torch's stub lists set_ with all four arguments only
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(  # type: ignore[call-overload]
+        storage, 0, (storage.nbytes(),)
+    )
 
 
 def _collect_storages(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state
@@ -22,14 +22,18 @@ def unwrap_model_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module
     Accepts one module, a list of chunks (virtual pipeline) or an ``nn.ModuleList`` of them.
     """
     single = isinstance(model_chunks, torch.nn.Module) and not isinstance(model_chunks, torch.nn.ModuleList)
-    chunks = [model_chunks] if single else list(model_chunks)
+    chunks: list[torch.nn.Module] = (
+        [cast(torch.nn.Module, model_chunks)]
+        if single
+        else list(cast(Iterable[torch.nn.Module], model_chunks))
+    )
     if not chunks:
         raise ValueError("model_chunks is empty")
     out = []
     for chunk in chunks:
         inner = chunk
         while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), torch.nn.Module):
-            inner = inner.module
+            inner = inner.module  # type: ignore[assignment]  # a Module: checked by the loop condition
         if not isinstance(inner, GPTModel):
             raise TypeError(
                 f"expected a megatron-core GPTModel (possibly wrapped), got {type(chunk).__name__}"
