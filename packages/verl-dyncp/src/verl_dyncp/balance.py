@@ -61,7 +61,7 @@ class _Groups:
 
     def place(self, i: int) -> None:
         """LPT step: sequence ``i`` onto the least loaded group with room for its tokens."""
-        fits = range(self.num_groups)
+        fits: Sequence[int] = range(self.num_groups)
         n = self.tokens[i]
         if self.limit is not None:
             room = [j for j in fits if self.held[j] + n <= self.limit]

@@ -157,7 +157,8 @@ class GraphedDecoder:
         return self._graphed is None or self._current_addresses() != self._addresses
 
     def _current_addresses(self) -> tuple[int, ...]:
-        grads = tuple(p.main_grad.data_ptr() for p in self._ddp_params)
+        # main_grad: set on each Parameter by megatron-core DDP
+        grads = tuple(p.main_grad.data_ptr() for p in self._ddp_params)  # type: ignore[attr-defined]
         return tuple(p.data_ptr() for p in self._params) + grads
 
     def recapture(self) -> None:
@@ -186,9 +187,10 @@ class GraphedDecoder:
         module = _DecoderOverGraphInputs(self.decoder, slots, self._forward, self.cp_group)
         ddp = self._ddp_params
         flags = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in ddp]
-        grads = [p.main_grad.to("cpu", copy=True) for p in ddp]  # the warm-up backward adds into them
+        # the warm-up backward adds into them (main_grad: megatron-core DDP's attribute)
+        grads = [p.main_grad.to("cpu", copy=True) for p in ddp]  # type: ignore[attr-defined]
         for p in ddp:
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = False  # type: ignore[attr-defined]  # megatron-core DDP's attribute
         try:
             self._fused = _fused_weights(module, sample, ddp)
             fused = {id(p) for p in self._fused}
@@ -200,8 +202,8 @@ class GraphedDecoder:
             )
         finally:
             for p, flag, grad in zip(ddp, flags, grads, strict=True):
-                p.grad_added_to_main_grad = flag
-                p.main_grad.copy_(grad)
+                p.grad_added_to_main_grad = flag  # type: ignore[attr-defined]  # megatron-core DDP's attribute
+                p.main_grad.copy_(grad)  # type: ignore[attr-defined]  # megatron-core DDP's attribute
         self._addresses = self._current_addresses()
         self._backward_due = False
         self.captures += 1
@@ -264,7 +266,7 @@ class GraphedDecoder:
         out = self._graphed(padded, *inputs, *self._surface)
         if torch.is_grad_enabled():
             for p in self._fused:  # what the eager backward's Python would have marked (module doc)
-                p.grad_added_to_main_grad = True
+                p.grad_added_to_main_grad = True  # type: ignore[attr-defined]  # megatron-core DDP's attribute
         if padded.requires_grad and torch.is_grad_enabled():
             self._backward_due = True
             padded.register_hook(self._backward_ran)
@@ -305,7 +307,7 @@ def _fused_weights(
         return []
     out = module(*sample)
     torch.autograd.grad(out, sample[0], grad_outputs=torch.ones_like(out))
-    return [p for p in ddp if p.grad_added_to_main_grad]
+    return [p for p in ddp if p.grad_added_to_main_grad]  # type: ignore[attr-defined]  # megatron-core DDP's attribute
 
 
 def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
@@ -117,7 +118,8 @@ class CPGroups:
                             index=index,
                             rank=position - index * size,
                             ranks=block,
-                            process_group=pg,
+                            # me in block: a member's group, not new_group's NON_GROUP_MEMBER
+                            process_group=cast(dist.ProcessGroup, pg),
                         )
         # A group over the whole DP x CP list for the planner's merge; it is the largest size group
         # when n is a power of two, else one more group (created in the same order everywhere).
@@ -128,7 +130,7 @@ class CPGroups:
             for lst in lists:
                 pg = dist.new_group(ranks=list(lst), backend=backend, timeout=timeout)
                 if me in lst:
-                    full = pg
+                    full = cast(dist.ProcessGroup, pg)  # me in lst: not NON_GROUP_MEMBER
             assert full is not None
             self._full_group = full
 
@@ -162,9 +164,9 @@ class CPGroups:
         (``torch.distributed.get_process_group_ranks(get_data_parallel_group(with_context_parallel=True))``).
         The lists are sorted by their first rank so every rank sees them in the same order.
         """
-        gathered: list[object] = [None] * dist.get_world_size()
+        gathered: list[list[int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [int(r) for r in local_ranks])
-        unique = sorted({tuple(lst) for lst in gathered if lst is not None}, key=lambda lst: lst[0])  # type: ignore[arg-type]
+        unique = sorted({tuple(lst) for lst in gathered if lst is not None}, key=lambda lst: lst[0])
         return cls(rank_lists=unique, backend=backend, timeout=timeout)
 
     @property

@@ -33,7 +33,7 @@ def te_attention_available() -> bool:
 
 
 @functools.cache
-def _te_base() -> tuple[type, type]:
+def _te_base() -> tuple[type[Any], type[Any]]:
     """(transformer_engine.pytorch.DotProductAttention, megatron's TEDotProductAttention), or ImportError."""
     try:
         import transformer_engine.pytorch as te

@@ -78,7 +78,9 @@ class WorkloadModel:
         f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
         if not attention_cost_factor > 0:
             raise ValueError(f"attention_cost_factor must be > 0, got {attention_cost_factor!r}")
-        dense = 2 * h * (a + 2 * kv) + 2 * a * h + 2 * h * f * (2 if gated_linear_unit else 1) + 2 * f * h
+        dense: float = (
+            2 * h * (a + 2 * kv) + 2 * a * h + 2 * h * f * (2 if gated_linear_unit else 1) + 2 * f * h
+        )
         if num_layers and vocab_size:
             dense += 2 * h * vocab_size / num_layers
         linear = max(1, round(dense / (2 * a * attention_cost_factor)))
