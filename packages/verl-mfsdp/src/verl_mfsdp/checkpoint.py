@@ -87,7 +87,10 @@ def _layout(chunks: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> dic
         "world_size": torch.distributed.get_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "data_parallel_sharding_strategy": chunks[0].ddp_config.data_parallel_sharding_strategy,
+        # the chunk's megatron-core DDPConfig (nn.Module.__getattr__ reads it as Tensor | Module)
+        "data_parallel_sharding_strategy": (
+            chunks[0].ddp_config.data_parallel_sharding_strategy  # type: ignore[union-attr]
+        ),
         "num_model_chunks": len(chunks),
         "num_optimizers": len(optimizers),
     }
@@ -252,6 +255,6 @@ def load_megatron_fsdp_checkpoint(
         opt.load_state_dict(state[key])
     for chunk in chunks:
         # Compute weights from the loaded main weights (the optimizer step's cast), then re-gather.
-        chunk.module.install_optimized_model_weights()
+        chunk.module.install_optimized_model_weights()  # type: ignore[union-attr,operator]  # MegatronFSDP's method
     restart_megatron_fsdp_param_sync(chunks, force_sync=True)
     return {"step": info.get("step"), "extra": info.get("extra", {})}

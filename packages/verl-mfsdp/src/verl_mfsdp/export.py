@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from verl_mcore_utils.compat import import_megatron_core
 from verl_mfsdp.offload import megatron_fsdp_chunks
 from verl_mfsdp.wrap import synchronize_megatron_fsdp_params
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["export_megatron_fsdp_hf_weights"]
 
@@ -52,13 +55,15 @@ def _full_tensor(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not hasattr(param._local_tensor, "__create_chunk_list__"):  # type: ignore[attr-defined]
         update_uneven_dtensor_chunk_metadata(param)  # cached on the parameter
     (meta,) = param.__create_chunk_list__()  # type: ignore[attr-defined]
-    local = param.to_local().detach().to(dtype, copy=True).contiguous()
+    local = (
+        cast("DTensor", param).to_local().detach().to(dtype, copy=True).contiguous()
+    )  # a DTensor (checked above)
     chunks = [(tuple(local.shape), tuple(getattr(meta, "offsets", [0] * param.dim())))]
     flat = local.view(-1)
-    for mesh_dim, placement in enumerate(param.placements):
+    for mesh_dim, placement in enumerate(cast("DTensor", param).placements):
         if isinstance(placement, Replicate):
             continue
-        group = param.device_mesh.get_group(mesh_dim)
+        group = cast("DTensor", param).device_mesh.get_group(mesh_dim)
         if dist.get_world_size(group) == 1:
             continue
         infos: list[Any] = [None] * dist.get_world_size(group)

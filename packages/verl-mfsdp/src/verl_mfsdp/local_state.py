@@ -34,7 +34,8 @@ def _main_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return {
         f"main/{i}/{name}": _local(param)
         for i, chunk in enumerate(chunks)
-        for name, param in chunk.param_and_grad_buffer.optimizer_named_parameters
+        # megatron-fsdp's ParamAndGradBuffer (nn.Module.__getattr__ reads it as Tensor | Module)
+        for name, param in chunk.param_and_grad_buffer.optimizer_named_parameters  # type: ignore[union-attr]
     }
 
 
@@ -130,5 +131,6 @@ def load_megatron_fsdp_local_state(
                 )
             target.copy_(value)
     for chunk in chunks:
-        chunk.module.install_optimized_model_weights()  # compute weights from the main weights, as a step does
+        # compute weights from the main weights, as a step does (MegatronFSDP's method: nn.Module.__getattr__)
+        chunk.module.install_optimized_model_weights()  # type: ignore[union-attr,operator]
     restart_megatron_fsdp_param_sync(chunks, force_sync=True)

@@ -92,7 +92,7 @@ def _flat_buffers(
 
 
 def _param_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
-    pgb = chunk.param_and_grad_buffer
+    pgb: Any = chunk.param_and_grad_buffer  # megatron-fsdp's ParamAndGradBuffer (untyped)
     tensors = _flat_buffers(pgb, buffers=_WEIGHT_BUFFERS, allocators=_WEIGHT_ALLOCATORS)
     tensors.extend(_local(p) for _, p in pgb.optimizer_named_parameters)
     tensors.extend(_local(p) for p in chunk.parameters())
@@ -100,7 +100,7 @@ def _param_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
 
 
 def _grad_tensors(chunk: torch.nn.Module) -> list[torch.Tensor | None]:
-    pgb = chunk.param_and_grad_buffer
+    pgb: Any = chunk.param_and_grad_buffer  # megatron-fsdp's ParamAndGradBuffer (untyped)
     tensors = _flat_buffers(pgb, buffers=_GRAD_BUFFERS, allocators=_GRAD_ALLOCATORS)
     flat = getattr(pgb, "buffer", None)  # the one flat main-grad tensor per dtype
     if isinstance(flat, dict):

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_mcore_utils.compat import megatron_fsdp_grad_precision
 from verl_mcore_utils.ddp import WrapConfig, build_ddp_config
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SHARDING_STRATEGIES",
@@ -128,7 +131,7 @@ def megatron_fsdp_ddp_config(
     )
 
 
-def _fsdp_unit_classes() -> tuple[type, ...]:
+def _fsdp_unit_classes() -> tuple[type[torch.nn.Module], ...]:
     """The module classes megatron-core's FSDP adapter makes FSDP units under ``optim_grads_params``.
 
     Every release from 0.14 has TransformerLayer (MoETransformerLayer, 0.19, subclasses it); MambaLayer
@@ -136,7 +139,7 @@ def _fsdp_unit_classes() -> tuple[type, ...]:
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    classes: list[type] = [TransformerLayer]
+    classes: list[type[torch.nn.Module]] = [TransformerLayer]
     try:
         from megatron.core.ssm.mamba_layer import MambaLayer
     except ImportError:  # a release or an install without the SSM layers

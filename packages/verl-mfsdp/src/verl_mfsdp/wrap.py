@@ -119,5 +119,6 @@ def restart_megatron_fsdp_param_sync(
 ) -> int:
     """Start the parameter all-gather of every chunk again (training resumes after a rollout / onload)."""
     for chunk in model_chunks:
-        chunk.start_param_sync(force_sync=force_sync)
+        # megatron-core's method (nn.Module.__getattr__ reads it as Tensor | Module)
+        chunk.start_param_sync(force_sync=force_sync)  # type: ignore[operator]
     return len(model_chunks)
