@@ -42,6 +42,8 @@ VERL_REFERENCE = ["verl==0.9.1", "codetiming", "orjson"]
 # What verl 0.9.1's TrainingWorker imports beyond its declared dependencies (verl/workers/rollout/utils.py), for the
 # `verl` session; verl itself and everything it pins come from uv.lock's verl fork (extra verl-engine[verl]).
 VERL_WORKER_IMPORTS = ["fastapi", "uvicorn"]
+# The type checker and the stubs it needs (PyYAML ships none), pinned: a new mypy release may find new errors.
+MYPY = ["mypy==2.4.1", "types-PyYAML"]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -74,7 +76,7 @@ def config(session: nox.Session) -> None:
     """verl-config alone, with no torch in the environment (it must not need it); its annotations type-check."""
     _sync(session, "--package", "verl-config", "--no-default-groups")
     # pip: the refresh script's `pip download` test; mypy: the package ships py.typed, so its annotations must hold
-    session.install("pytest>=8", "hypothesis>=6", "pip>=24", "mypy==2.4.1", "types-PyYAML")
+    session.install("pytest>=8", "hypothesis>=6", "pip>=24", *MYPY)
     session.run(
         "python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     )
@@ -128,6 +130,16 @@ def tests(session: nox.Session, mcore: str) -> None:
     newest = mcore == MCORE_VERSIONS[-1]
     if newest:
         session.install("--no-deps", *VERL_REFERENCE)
+        # every package ships py.typed, so its annotations must hold; checked once, against the newest release
+        # (verl-config in the `config` session, without torch). pyproject.toml's [tool.mypy] lists the untyped
+        # libraries read as Any.
+        session.install(*MYPY)
+        session.run(
+            "mypy",
+            "--cache-dir",
+            os.path.join(".nox", "mypy-cache-torch"),
+            *(f"packages/{pkg}/src/{pkg.replace('-', '_')}" for pkg in PACKAGES if pkg != "verl-config"),
+        )
     marks = (
         "not gpu and not release and not verl_backend"
         if newest
