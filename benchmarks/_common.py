@@ -235,7 +235,7 @@ class StepProfile:
     written per rank to ``<dir>/<label>_rank<r>.txt`` as two operator tables (CUDA time, host time; top 40)
     and, first, the GPU timeline in four numbers (:func:`gpu_timeline`): how long the kernels' window was,
     how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
-    compute kernel overlapped (exposed communication), and how much compute ran. ``BENCH_PROFILE_KIND=python``:
+    compute kernel overlapped (exposed communication), and how much compute ran. With ``BENCH_PROFILE_TRACE=1`` also the chrome trace, gzipped. ``BENCH_PROFILE_KIND=python``:
     cProfile of the host instead (what Python spends a host-bound step on), top 60 functions by own time and
     by cumulative time, to ``<dir>/<label>_python_rank<r>.txt``. ``BENCH_PROFILE_KIND=memory``: the allocator's
     history over the step, replayed to its peak (:mod:`_memory_peak`): which sites hold the transient memory
@@ -325,6 +325,7 @@ class StepProfile:
 
     def _profiled(self, label: str):
         import contextlib
+        import os
 
         from torch.profiler import ProfilerActivity, profile
 
@@ -333,6 +334,14 @@ class StepProfile:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 yield
             torch.cuda.synchronize()
+            if os.environ.get("BENCH_PROFILE_TRACE"):  # the whole timeline too, for a look at its gaps
+                import gzip
+
+                trace = self._path(f"{label}_trace").with_suffix(".json")
+                prof.export_chrome_trace(str(trace))
+                with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                    packed.write(raw.read())
+                trace.unlink()
             table = prof.key_averages()
             timeline = gpu_timeline(prof.events())
             self._path(label).write_text(
