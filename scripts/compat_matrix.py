@@ -93,6 +93,7 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("verl-mcore-utils", "sync-free gradient norm and clipping without apex", ("test_multi_tensor",)),
     ("verl-mcore-utils", "multi-process test helper", ("test_testing",)),
+    ("verl-mcore-utils", "DDP hooks moved onto parameters for CUDA graphs", ("test_ddp_graph_hooks",)),
     ("verl-mcore-utils", "process groups, CUDA RNG tracker seeding", ("test_parallel",)),
     ("verl-dyncp", "CP groups", ("test_groups",)),
     (

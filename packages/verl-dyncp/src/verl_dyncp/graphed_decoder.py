@@ -52,6 +52,7 @@ from verl_dyncp.graph_layout import (
     pad_layout_to_slots,
 )
 from verl_dyncp.layout import thd_layout
+from verl_mcore_utils.ddp_graph_hooks import ddp_hook_is_on_parameter, run_ddp_hook
 
 __all__ = ["GraphedDecoder"]
 
@@ -275,8 +276,6 @@ class GraphedDecoder:
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self._backward_due = False
         if self._fused:
-            from verl_mcore_utils.ddp_graph_hooks import run_ddp_hook
-
             for p in self._fused:  # the hooks AccumulateGrad would have run (the graph returns no gradient)
                 run_ddp_hook(p)
 
@@ -316,8 +315,6 @@ def ddp_parameters(decoder: torch.nn.Module) -> list[torch.nn.Parameter]:
     Without the move the capture fails (cudaErrorStreamCaptureImplicit: the module's doc), so the error says
     what to call instead of letting the capture fail deep inside torch.
     """
-    from verl_mcore_utils.ddp_graph_hooks import ddp_hook_is_on_parameter
-
     wrapped = [(name, p) for name, p in decoder.named_parameters() if hasattr(p, "main_grad")]
     stuck = [name for name, p in wrapped if not ddp_hook_is_on_parameter(p)]
     if stuck:
