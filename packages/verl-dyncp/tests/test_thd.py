@@ -151,3 +151,26 @@ def test_gloo_roundtrip_any_dtype_and_gradients(world: int) -> None:
                 for name in ("float32", "bfloat16", "int64", "bool"):
                     assert thd[f"roundtrip/cp{cp}/tp{tp}/{name}"] == (True, True), (rank, cp, tp, name)
                 assert thd[f"grad/cp{cp}/tp{tp}"] <= 1e-6, (rank, cp, tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_the_closed_form_gathered_index_is_the_layouts_map(cp: int, tp: int) -> None:
+    """The merge's map of every real token into the gathered buffer (``_gathered_index``) equals the full
+    layout's ``unpadded_to_gathered`` and ``local_tokens``, for every CP rank's layout, with lengths around
+    every alignment boundary."""
+    from verl_dyncp.thd import _gathered_index
+
+    gen = torch.Generator().manual_seed(cp * 10 + tp)
+    align = thd_alignment(cp_size=cp, tp_size=tp)
+    for lens in (
+        [1],
+        [n for n in (align - 1, align, align + 1) if n >= 1],
+        [int(n) for n in torch.randint(1, 300, (17,), generator=gen)],
+        list(SEQ_LENS),
+    ):
+        local, index = _gathered_index(seq_lens=lens, cp_size=cp, tp_size=tp)
+        for rank in range(cp):
+            meta = build_thd_meta(seq_lens=lens, cp_size=cp, cp_rank=rank, tp_size=tp)
+            assert local == meta.local_tokens
+            assert torch.equal(index, meta.unpadded_to_gathered), (lens, rank)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from verl_dyncp.groups import CPGroup, CPGroups
 from verl_dyncp.plan import DEFAULT_LARGER_CP_MIN_GAIN, CPBlock, DynamicCPPlan, plan_dynamic_cp
-from verl_dyncp.thd import THDBatch, build_thd_meta, gather_slots, preprocess_thd_engine, thd_alignment
+from verl_dyncp.thd import THDBatch, _gathered_index, gather_slots, preprocess_thd_engine, thd_alignment
 from verl_dyncp.workload import WorkloadModel
 from verl_mcore_utils.transfer import to_device_async
 
@@ -196,11 +196,10 @@ def _merge_index(plan: DynamicCPPlan, *, tp_size: int) -> tuple[list[int], torch
         if not block.sequences:
             local = thd_alignment(cp_size=k, tp_size=tp_size) // k
         else:
-            meta = build_thd_meta(
-                seq_lens=[plan.seq_lens[i] for i in block.sequences], cp_size=k, cp_rank=0, tp_size=tp_size
+            local, gathered = _gathered_index(
+                seq_lens=[plan.seq_lens[i] for i in block.sequences], cp_size=k, tp_size=tp_size
             )
-            local = meta.local_tokens
-            index[_packed_index(plan.seq_lens, block.sequences)] = offset + meta.unpadded_to_gathered
+            index[_packed_index(plan.seq_lens, block.sequences)] = offset + gathered
         lens.extend([local] * k)
         offset += local * k
     return lens, index
