@@ -237,7 +237,7 @@ class StepProfile:
     how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
     compute kernel overlapped (exposed communication), and how much compute ran. With ``BENCH_PROFILE_TRACE=1`` also the chrome trace, gzipped. ``BENCH_PROFILE_KIND=python``:
     cProfile of the host instead (what Python spends a host-bound step on), top 60 functions by own time and
-    by cumulative time, to ``<dir>/<label>_python_rank<r>.txt``. ``BENCH_PROFILE_KIND=memory``: the allocator's
+    by cumulative time, and the callers of the costliest twelve, to ``<dir>/<label>_python_rank<r>.txt``. ``BENCH_PROFILE_KIND=memory``: the allocator's
     history over the step, replayed to its peak (:mod:`_memory_peak`): which sites hold the transient memory
     then, as JSON to ``<dir>/<label>_memory_rank<r>.txt``.
     """
@@ -319,6 +319,9 @@ class StepProfile:
                 for key in ("tottime", "cumulative"):
                     text.write(f"== by {key}\n")
                     pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
+                # who called the costliest: a blocking copy shows as Tensor.to's own time, its caller says where
+                text.write("== callers of the 12 functions with the most own time\n")
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_callers(12)
                 self._path(f"{label}_python").write_text(text.getvalue())
 
         return run()
