@@ -235,10 +235,12 @@ class StepProfile:
     written per rank to ``<dir>/<label>_rank<r>.txt`` as two operator tables (CUDA time, host time; top 40)
     and, first, the GPU timeline in four numbers (:func:`gpu_timeline`): how long the kernels' window was,
     how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
-    compute kernel overlapped (exposed communication), and how much compute ran. With ``BENCH_PROFILE_TRACE=1`` also the chrome trace, gzipped. ``BENCH_PROFILE_KIND=python``:
-    cProfile of the host instead (what Python spends a host-bound step on), top 60 functions by own time and
-    by cumulative time, and the callers of the costliest twelve, to ``<dir>/<label>_python_rank<r>.txt``. ``BENCH_PROFILE_KIND=memory``: the allocator's
-    history over the step, replayed to its peak (:mod:`_memory_peak`): which sites hold the transient memory
+    compute kernel overlapped (exposed communication), and how much compute ran. With
+    ``BENCH_PROFILE_TRACE=1`` also the chrome trace, gzipped. ``BENCH_PROFILE_KIND=python``: cProfile of the
+    host instead (what Python spends a host-bound step on), top 60 functions by own time and by cumulative
+    time, and the callers of the costliest twelve, to ``<dir>/<label>_python_rank<r>.txt``.
+    ``BENCH_PROFILE_KIND=memory``: the allocator's history over the step, replayed to its peak
+    (:mod:`_memory_peak`): which sites hold the transient memory
     then, as JSON to ``<dir>/<label>_memory_rank<r>.txt``.
     """
 
