@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -291,7 +292,9 @@ class StepProfile:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        path = Path(self.folder) / f"{name}_rank{rank}.txt"
+        # letters, digits, '.', '_' and '-' only: a GPU host returns no file named otherwise ("none+graph")
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+        path = Path(self.folder) / f"{safe}_rank{rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
