@@ -240,8 +240,10 @@ def _gathered_index(*, seq_lens: Sequence[int], cp_size: int, tp_size: int = 1) 
     padded, _ = _padded(
         lens, padded_lens=None, cp_size=cp_size, align=thd_alignment(cp_size=cp_size, tp_size=tp_size)
     )
+    if cp_size == 1:  # one rank: each sequence's tokens at its padded offset
+        return int(padded.sum()), _segments(_cu(padded)[:-1], lens)
     local_lens = padded // cp_size
-    chunk = padded // (2 * cp_size) if cp_size > 1 else padded
+    chunk = padded // (2 * cp_size)
     seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
     pos = torch.arange(int(lens.sum())) - _cu(lens)[:-1][seq]
     h = chunk[seq]
