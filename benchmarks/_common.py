@@ -343,13 +343,8 @@ class StepProfile:
                 yield
             torch.cuda.synchronize()
             if os.environ.get("BENCH_PROFILE_TRACE"):  # the whole timeline too, for a look at its gaps
-                import gzip
-
-                trace = self._path(f"{label}_trace").with_suffix(".json")
-                prof.export_chrome_trace(str(trace))
-                with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-                    packed.write(raw.read())
-                trace.unlink()
+                # torch gzips a trace whose path ends in .gz
+                prof.export_chrome_trace(str(self._path(f"{label}_trace").with_suffix(".json.gz")))
             table = prof.key_averages()
             timeline = gpu_timeline(prof.events())
             self._path(label).write_text(
