@@ -250,7 +250,7 @@ def _gathered_index(*, seq_lens: Sequence[int], cp_size: int, tp_size: int = 1) 
     c = pos // h
     first = c < cp_size
     rank = torch.where(first, c, 2 * cp_size - 1 - c)
-    offset = torch.where(first, pos - c * h, h + pos - c * h)
+    offset = pos - c * h + torch.where(first, 0, h)  # the second chunk starts h into the local sequence
     local_tokens = int(local_lens.sum())
     return local_tokens, rank * local_tokens + _cu(local_lens)[:-1][seq] + offset
 
