@@ -6,7 +6,9 @@ On CPU the watch counts every Python-level read of a tensor's value on the host 
 ``int()``, ``bool()``, ``.tolist()``, ``.numpy()``, ``.cpu()``) made by the engine or its losses (verl_engine's
 code: on CPU every tensor is a host tensor, so reads of host-side metadata elsewhere, verl-dyncp's layouts
 built from Python lists, cannot be told apart from device reads); on CUDA it is
-``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call anywhere.
+``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call anywhere, and a CUDA profile of
+the window in which no copy may touch pageable host memory: such a copy makes the host wait for the work queued
+before it as surely as a read, yet sync-debug mode does not report it (PyTorch issues it as an asynchronous copy).
 """
 
 from __future__ import annotations
@@ -53,11 +55,18 @@ class WatchedLoss:
         self.loss_fn, self.micro_batches, self.device = loss_fn, micro_batches, device
         self.calls, self.found = 0, []  # type: ignore[var-annotated]
         self._watch: contextlib.ExitStack | None = None
+        self._profile: Any = None  # the CUDA profile of the window (on CUDA only)
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.calls == 0:
             self._watch = contextlib.ExitStack()
             if self.device == "cuda":
+                # exits run last-in first-out: sync-debug mode off, then the profile stops (it synchronises), then
+                # its copies are read
+                self._watch.callback(self._pageable_copies)
+                self._profile = self._watch.enter_context(
+                    torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                )
                 self._watch.callback(torch.cuda.set_sync_debug_mode, "default")
                 torch.cuda.set_sync_debug_mode("error")
             else:
@@ -72,6 +81,16 @@ class WatchedLoss:
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
+
+    def _pageable_copies(self) -> None:
+        """The profile's copies to or from pageable host memory ("Memcpy HtoD (Pageable -> Device)"), counted."""
+        counts: dict[str, int] = {}
+        for event in self._profile.events():
+            if "Pageable" in event.name:
+                counts[event.name] = counts.get(event.name, 0) + 1
+        self.found.extend(
+            f"{n} x {name} (a host wait sync-debug mode does not see)" for name, n in counts.items()
+        )
 
 
 def ppo_step_watched(rank: int, world_size: int, model_dir: str, device: str, overrides: list[str]) -> dict:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from verl_mcore_utils.transfer import to_device_async
+
 __all__ = [
     "THDBatch",
     "THDPackedMeta",
@@ -304,11 +306,14 @@ def build_thd_meta(
     kv_first_lens, kv_second_lens = _key_prefix_lens(padded, chunk, cp_size=cp_size, cp_rank=cp_rank)
     q_second_lens = local_lens - chunk
 
+    def on_device(t: torch.Tensor) -> torch.Tensor:  # pinned, without a host wait (to_device_async)
+        return t if device is None else to_device_async(t, device)
+
     def i32(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype=torch.int32, device=device)
+        return on_device(t.to(torch.int32))
 
     def i64(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype=torch.int64, device=device)
+        return on_device(t.to(torch.int64))
 
     return THDPackedMeta(
         seq_lens=lens_t,
@@ -318,7 +323,7 @@ def build_thd_meta(
         alignment=align,
         padded_lens=tuple(int(p) for p in padded),
         position_ids=i64(pos),
-        is_padding=(pos >= length).to(device=device),
+        is_padding=on_device(pos >= length),
         source_index=i64(source),
         label_index=i64(label),
         global_index=i64(global_index),

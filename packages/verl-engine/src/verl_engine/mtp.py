@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_mcore_utils.transfer import to_device_async
+
 __all__ = ["MtpSettings", "MtpTracker", "mtp_metric_name", "mtp_target_counts", "run_mtp"]
 
 
@@ -40,7 +42,8 @@ def ahead_valid(seq_lens: tuple[int, ...], *, shift: int, device: torch.device |
     """Per packed token: does its sequence have a token ``shift`` positions ahead."""
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return (pos + shift < torch.repeat_interleave(lens, lens)).to(device)
+    valid = pos + shift < torch.repeat_interleave(lens, lens)
+    return valid if device is None else to_device_async(valid, device)
 
 
 def mtp_target_counts(packed: Any, *, num_layers: int) -> list[int]:

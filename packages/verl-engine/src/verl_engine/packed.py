@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from verl_mcore_utils.transfer import to_device_async
+
 __all__ = [
     "CPLayout",
     "PackedBatch",
@@ -270,11 +272,11 @@ def plan_micro_batches(
     for indices in micro_batches:
         sub = batch.select(indices)
         split = dynamic_cp_split_batch(
-            sub.input_ids.to(device),
+            to_device_async(sub.input_ids, device),
             seq_lens=sub.seq_lens,
             groups=groups,
             tp_size=tp_size,
-            label_mask=None if sub.label_mask is None else sub.label_mask.to(device),
+            label_mask=None if sub.label_mask is None else to_device_async(sub.label_mask, device),
             workload=workload,
             max_tokens_per_rank=max_tokens_per_rank if layout.dynamic else None,
             **layout.plan_kwargs(),

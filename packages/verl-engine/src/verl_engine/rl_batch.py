@@ -194,7 +194,11 @@ class RLBatch:
         self, data: Mapping[str, Any], indices: Sequence[int], *, device: torch.device | None = None
     ) -> dict[str, Any]:
         """The loss's view of a micro-batch: every padded per-sequence tensor row-selected (moved to
-        ``device``), scalars as they are. Jagged tensors are left out."""
+        ``device``), scalars as they are. Jagged tensors are left out.
+
+        Copies to a GPU go through pinned memory (:func:`to_device_async`): a copy from pageable host memory
+        makes the host wait for every kernel queued before it, and this runs once per micro-batch, after its
+        forward was queued, so the GPU would idle while the host queues the loss and the backward."""
         index = torch.tensor(list(indices), dtype=torch.int64)
         out: dict[str, Any] = {}
         for key in data.keys():
@@ -203,8 +207,8 @@ class RLBatch:
                 if value.is_nested or value.dim() == 0:
                     continue
                 if value.shape[0] == self.size:
-                    rows = value.index_select(0, index.to(value.device))
-                    out[key] = rows if device is None else rows.to(device, non_blocking=True)
+                    rows = value.index_select(0, to_device_async(index, value.device))
+                    out[key] = rows if device is None else to_device_async(rows, device)
             else:
                 out[key] = getattr(value, "data", value)
         return out
