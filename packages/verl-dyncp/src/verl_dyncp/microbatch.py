@@ -110,13 +110,13 @@ def dynamic_cp_split_batch(
     layout = {"cp_size": block.size, "cp_rank": group.rank, "tp_size": tp_size}
     layout |= {"pad_value": pad_value, "ignore_index": ignore_index}
     if block.sequences:
-        index = _packed_index(plan.seq_lens, block.sequences).to(input_ids.device)
+        index = to_device_async(_packed_index(plan.seq_lens, block.sequences), input_ids.device)
         batch = preprocess_thd_engine(
             input_ids.index_select(0, index),
             seq_lens=[plan.seq_lens[i] for i in block.sequences],
             label_mask=None
             if label_mask is None
-            else label_mask.index_select(0, index.to(label_mask.device)),
+            else label_mask.index_select(0, to_device_async(index, label_mask.device)),
             **layout,
         )
     else:
@@ -153,7 +153,9 @@ def _group_tokens(tensor: torch.Tensor, micro_batch: DynamicCPMicroBatch) -> tor
     """The rows of the group's sequences in a packed per-token tensor; None for an idle group."""
     if micro_batch.is_dummy:
         return None
-    index = _packed_index(micro_batch.plan.seq_lens, micro_batch.sequence_indices).to(tensor.device)
+    index = to_device_async(
+        _packed_index(micro_batch.plan.seq_lens, micro_batch.sequence_indices), tensor.device
+    )
     return tensor.index_select(0, index)
 
 
