@@ -236,7 +236,9 @@ class StepProfile:
     written per rank to ``<dir>/<label>_rank<r>.txt`` as two operator tables (CUDA time, host time; top 40)
     and, first, the GPU timeline in four numbers (:func:`gpu_timeline`): how long the kernels' window was,
     how much of it no kernel ran (the GPU waited for the host or for another rank), how much NCCL time no
-    compute kernel overlapped (exposed communication), and how much compute ran. With
+    compute kernel overlapped (exposed communication), and how much compute ran; then the longest idle
+    gaps with what the host was doing in each (:func:`idle_gaps`; ``BENCH_PROFILE_STACK=1`` adds the Python
+    frames, at some host cost). With
     ``BENCH_PROFILE_TRACE=1`` also the chrome trace, gzipped. ``BENCH_PROFILE_KIND=python``: cProfile of the
     host instead (what Python spends a host-bound step on), top 60 functions by own time and by cumulative
     time, and the callers of the costliest twelve, to ``<dir>/<label>_python_rank<r>.txt``.
@@ -339,7 +341,8 @@ class StepProfile:
 
         @contextlib.contextmanager
         def run():
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            stack = bool(os.environ.get("BENCH_PROFILE_STACK"))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
                 yield
             torch.cuda.synchronize()
             if os.environ.get("BENCH_PROFILE_TRACE"):  # the whole timeline too, for a look at its gaps
@@ -347,8 +350,11 @@ class StepProfile:
                 prof.export_chrome_trace(str(self._path(f"{label}_trace").with_suffix(".json.gz")))
             table = prof.key_averages()
             timeline = gpu_timeline(prof.events())
+            gaps = "\n".join(json.dumps(g) for g in idle_gaps(prof.events()))
             self._path(label).write_text(
                 f"== {label}: GPU timeline (ms) {json.dumps(timeline)}\n"
+                f"== {label}: the longest idle gaps (ms from the first kernel; host ops at the gap's middle,"
+                f" outermost first; with BENCH_PROFILE_STACK=1 the innermost op's Python frames)\n{gaps}\n"
                 f"== {label}: by CUDA time\n{table.table(sort_by='cuda_time_total', row_limit=40)}\n"
                 f"== {label}: by host time\n{table.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
             )
@@ -399,3 +405,47 @@ def gpu_timeline(events: Any) -> dict[str, float]:
         "exposed_nccl": (_length(busy) - _length(compute)) * ms,  # |NCCL \ compute| = |busy| - |compute|
         "compute": _length(compute) * ms,
     }
+
+
+def idle_gaps(events: Any, *, top: int = 20, min_ms: float = 0.5) -> list[dict[str, Any]]:
+    """The ``top`` longest stretches (at least ``min_ms``) in which no kernel ran, each with the host ops open
+    at its middle (outermost first) and, where the profile recorded stacks, the innermost op's Python frames.
+
+    Why: :func:`gpu_timeline` says how long the GPU idled, not why; an idle stretch is the host not yet having
+    queued the next kernel (or a stream waiting on another), and the host op open at that moment names it.
+    """
+    import itertools
+
+    from torch.autograd import DeviceType
+
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    if not kernels:
+        return []
+    busy = _union(kernels)
+    origin = busy[0][0]
+    holes = [(a[1], b[0]) for a, b in itertools.pairwise(busy) if (b[0] - a[1]) * 1e-3 >= min_ms]
+    holes = sorted(holes, key=lambda h: h[0] - h[1])[:top]
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.time_range.end > e.time_range.start]
+    out = []
+    for start, end in holes:
+        mid = (start + end) / 2
+        open_ops = sorted(
+            (e for e in host if e.time_range.start <= mid < e.time_range.end),
+            key=lambda e: e.time_range.start,
+        )
+        frames = [f for f in (getattr(open_ops[-1], "stack", None) or []) if "site-packages/torch" not in f][
+            :8
+        ]
+        out.append(
+            {
+                "at_ms": round((start - origin) * 1e-3, 2),
+                "ms": round((end - start) * 1e-3, 2),
+                "host": [e.name for e in open_ops][-6:],
+                **({"frames": frames} if frames else {}),
+            }
+        )
+    return out
