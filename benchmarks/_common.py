@@ -437,9 +437,8 @@ def idle_gaps(events: Any, *, top: int = 20, min_ms: float = 0.5) -> list[dict[s
             (e for e in host if e.time_range.start <= mid < e.time_range.end),
             key=lambda e: e.time_range.start,
         )
-        frames = [f for f in (getattr(open_ops[-1], "stack", None) or []) if "site-packages/torch" not in f][
-            :8
-        ]
+        inner = open_ops[-1] if open_ops else None  # nothing open: the host was between ops (Python)
+        frames = [f for f in (getattr(inner, "stack", None) or []) if "site-packages/torch" not in f][:8]
         out.append(
             {
                 "at_ms": round((start - origin) * 1e-3, 2),
