@@ -222,8 +222,15 @@ FEATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "verl-engine",
-        "packaging rules, structure, benchmark records, GPU suite, release tooling (all packages)",
-        ("test_packaging", "test_structure", "test_benchmark_results", "test_gpu_suite", "test_release_*"),
+        "packaging rules, structure, benchmark records, GPU suite, CI lanes, release tooling (all packages)",
+        (
+            "test_packaging",
+            "test_structure",
+            "test_benchmark_results",
+            "test_gpu_suite",
+            "test_ci_lanes",
+            "test_release_*",
+        ),
     ),
 )
 OUTCOMES = ("passed", "failed", "skipped")
