@@ -1,8 +1,8 @@
 """The one way a benchmark writes its JSON record: what ran, where, on which versions and commit, and its numbers.
 
-Every record carries the same common keys (``benchmark``, ``device``, ``versions``, ``config``, ``commit``,
-``date``) so that a number in docs/benchmarks.md can be traced to the machine and code that produced it; the
-benchmark's own keys sit beside them at the top level, as they always have.
+Every record carries the same common keys (``benchmark``, ``device``, ``host``, ``versions``, ``config``,
+``commit``, ``date``) so that a number in docs/benchmarks.md can be traced to the machine and code that produced it;
+the benchmark's own keys sit beside them at the top level, as they always have.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # python, torch and megatron-core, then every package of this workspace.
-COMMON_KEYS = frozenset({"benchmark", "device", "versions", "config", "commit", "date"})
+COMMON_KEYS = frozenset({"benchmark", "device", "host", "versions", "config", "commit", "date"})
 PACKAGES = (
     "torch",
     "megatron-core",
@@ -57,6 +57,81 @@ def device_name() -> str:
     if torch is not None and torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"CPU: {platform.processor() or platform.machine()}"
+
+
+def host_facts() -> dict[str, Any]:
+    """The host CPU a run had: its model, the CPUs this process may use, the container's CPU quota and how often
+    it was throttled, torch's intra-op threads, and a probe of how fast small host work runs here.
+
+    Why: two leases of the same GPU type have run the same host-bound step (a graphed one-GPU step, 30 micro-batches)
+    at 0.84 s and 1.9 s with the same GPU time; the GPU's name alone cannot tell such records apart.
+    """
+    facts: dict[str, Any] = {"cpu_model": _cpu_model(), "cpus": os.cpu_count()}
+    if hasattr(os, "sched_getaffinity"):
+        facts["cpus_usable"] = len(os.sched_getaffinity(0))
+    facts |= _cgroup_cpu()
+    facts["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        facts["torch_threads"] = torch.get_num_threads()
+        facts["probe_us"] = _host_probe(torch)
+    return facts
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _cgroup_cpu() -> dict[str, Any]:
+    """cgroup v2's ``cpu.max`` as a CPU count (None: no quota) and ``cpu.stat``'s throttling counters so far."""
+    out: dict[str, Any] = {}
+    root = Path("/sys/fs/cgroup")
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        out["cpu_quota"] = None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        stat = dict(line.split() for line in (root / "cpu.stat").read_text().splitlines() if line.strip())
+        for key in ("nr_periods", "nr_throttled", "throttled_usec"):
+            if key in stat:
+                out[f"cgroup_{key}"] = int(stat[key])
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _host_probe(torch: Any) -> dict[str, float]:
+    """Median microseconds of two small host jobs, 200 times each: a CPU ``repeat_interleave`` of 64 lengths
+    (the kind of op that builds a THD layout per micro-batch) and a pure-Python loop of 10,000 additions."""
+    import statistics
+    import time
+
+    lens = torch.full((64,), 32, dtype=torch.int64)
+
+    def op() -> None:
+        torch.repeat_interleave(torch.arange(64), lens)
+
+    def loop() -> None:
+        total = 0
+        for i in range(10_000):
+            total += i
+
+    out = {}
+    for name, job in (("repeat_interleave", op), ("python_loop", loop)):
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            job()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times) * 1e6
+    return out
 
 
 def commit() -> str | None:
@@ -112,6 +187,7 @@ def write_record(
     record = {
         "benchmark": benchmark,
         "device": device_name() if device is None else device,
+        "host": host_facts(),
         "versions": {**versions(extra_versions), **(more_versions or {})},
         "config": config,
         **numbers,

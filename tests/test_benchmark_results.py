@@ -35,6 +35,8 @@ def test_a_name_counts_only_as_a_whole_file_name(tmp_path: Path) -> None:
 
 
 def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> None:
+    import torch  # noqa: F401  (a GPU benchmark has it imported: the record then reads its threads)
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _record
 
@@ -46,6 +48,10 @@ def test_a_record_carries_the_common_keys_beside_its_numbers(tmp_path: Path) -> 
     assert set(record) == _record.COMMON_KEYS | {"tokens_per_s"}
     assert record["device"] == "test device"
     assert record["versions"]["python"] == platform.python_version()
+    # the host it ran on: CPUs, quota, torch's threads and a probe of small host work (leases differ in it)
+    host = record["host"]
+    assert host["cpus"] >= 1 and host["torch_threads"] >= 1
+    assert host["probe_us"]["repeat_interleave"] > 0 and host["probe_us"]["python_loop"] > 0
     with pytest.raises(ValueError, match="common keys"):
         _record.write_record(out, benchmark="x", config={}, numbers={"device": "clash"})
 
@@ -83,6 +89,51 @@ def test_gpu_timeline_splits_a_profile_into_idle_exposed_nccl_and_compute() -> N
     want = {"window": 3.0, "idle": 0.6, "nccl": 1.4, "exposed_nccl": 0.9, "compute": 1.5}
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want), got
     assert _common.gpu_timeline([]) == {}
+
+
+def test_idle_gaps_name_the_host_op_open_in_each_of_the_longest_gpu_idle_stretches() -> None:
+    """benchmarks/_common.idle_gaps: longest first, at least min_ms, the host ops open at each gap's middle
+    (outermost first), Python frames outside torch where the profile kept stacks."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _common
+
+    def event(name: str, start: float, end: float, device: DeviceType, stack: list[str] | None = None):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), stack=stack
+        )
+
+    gpu, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [
+        event("k1", 0, 1000, gpu),
+        event("k2", 3000, 4000, gpu),  # 2 ms idle before it, while the host copies rows
+        event("k3", 4000, 9000, gpu),  # back to back: no gap
+        event("k4", 20000, 21000, gpu),  # 11 ms idle before it, the host between ops at its middle
+        event("k5", 21300, 22000, gpu),  # 0.3 ms: below min_ms
+        event("step", 0, 12000, cpu),
+        event(
+            "rows",
+            1500,
+            2600,
+            cpu,
+            ["/x/verl_engine/rl_batch.py(200): rows", "/y/site-packages/torch/a.py(1): f"],
+        ),
+    ]
+    gaps = _common.idle_gaps(events, min_ms=0.5)
+    assert gaps == [
+        {"at_ms": 9.0, "ms": 11.0, "host": []},
+        {
+            "at_ms": 1.0,
+            "ms": 2.0,
+            "host": ["step", "rows"],
+            "frames": ["/x/verl_engine/rl_batch.py(200): rows"],
+        },
+    ]
+    assert _common.idle_gaps(events, top=1, min_ms=0.5) == gaps[:1]
+    assert _common.idle_gaps([]) == []
 
 
 def test_best_target_stores_the_best_record_of_one_device_and_commit(tmp_path: Path) -> None:
