@@ -89,21 +89,32 @@ def _cpu_model() -> str | None:
 
 
 def _cgroup_cpu() -> dict[str, Any]:
-    """cgroup v2's ``cpu.max`` as a CPU count (None: no quota) and ``cpu.stat``'s throttling counters so far."""
+    """The container's CPU quota as a CPU count (None: no quota) and its throttling counters so far (cgroup v2's
+    ``cpu.max`` / ``cpu.stat``, or v1's ``cpu.cfs_quota_us`` / ``cpu.stat``)."""
     out: dict[str, Any] = {}
-    root = Path("/sys/fs/cgroup")
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
     try:
-        quota, period = (root / "cpu.max").read_text().split()
-        out["cpu_quota"] = None if quota == "max" else int(quota) / int(period)
+        if (v2 / "cpu.max").is_file():
+            quota, period = (v2 / "cpu.max").read_text().split()
+            out["cpu_quota"] = None if quota == "max" else int(quota) / int(period)
+            stat_file = v2 / "cpu.stat"
+        else:
+            quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+            out["cpu_quota"] = (
+                None if quota_us < 0 else quota_us / int((v1 / "cpu.cfs_period_us").read_text())
+            )
+            stat_file = v1 / "cpu.stat"
+        stat = dict(line.split() for line in stat_file.read_text().splitlines() if line.strip())
     except (OSError, ValueError):
-        pass
-    try:
-        stat = dict(line.split() for line in (root / "cpu.stat").read_text().splitlines() if line.strip())
-        for key in ("nr_periods", "nr_throttled", "throttled_usec"):
-            if key in stat:
-                out[f"cgroup_{key}"] = int(stat[key])
-    except (OSError, ValueError):
-        pass
+        return out
+    for key in (
+        "nr_periods",
+        "nr_throttled",
+        "throttled_usec",
+        "throttled_time",
+    ):  # throttled_time: v1, in ns
+        if key in stat:
+            out[f"cgroup_{key}"] = int(stat[key])
     return out
 
 
