@@ -1,12 +1,13 @@
 """Packed (THD) sequences split over a context-parallel group with zigzag load balancing, and back.
 
 Everything is computed from the sequence lengths alone (:func:`build_thd_meta`), so every rank can compute
-every other rank's layout without communication. Only ``torch`` is imported. The layout is described in
-the package README.
+every other rank's layout without communication. Only ``torch`` (and verl-mcore-utils' pinned copy) is
+imported. The layout is described in the package README.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -266,6 +267,12 @@ def _key_prefix_lens(
     return (cp_rank + 1) * chunk, padded - cp_rank * chunk
 
 
+def _to(t: torch.Tensor, *, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """``t`` as ``dtype`` on ``device``, through pinned memory (no host wait: :func:`to_device_async`)."""
+    t = t.to(dtype)
+    return t if device is None else to_device_async(t, device)
+
+
 def build_thd_meta(
     *,
     seq_lens: Sequence[int] | torch.Tensor,
@@ -306,15 +313,7 @@ def build_thd_meta(
     kv_first_lens, kv_second_lens = _key_prefix_lens(padded, chunk, cp_size=cp_size, cp_rank=cp_rank)
     q_second_lens = local_lens - chunk
 
-    def on_device(t: torch.Tensor) -> torch.Tensor:  # pinned, without a host wait (to_device_async)
-        return t if device is None else to_device_async(t, device)
-
-    def i32(t: torch.Tensor) -> torch.Tensor:
-        return on_device(t.to(torch.int32))
-
-    def i64(t: torch.Tensor) -> torch.Tensor:
-        return on_device(t.to(torch.int64))
-
+    i32, i64 = (functools.partial(_to, dtype=dtype, device=device) for dtype in (torch.int32, torch.int64))
     return THDPackedMeta(
         seq_lens=lens_t,
         cp_size=cp_size,
@@ -323,7 +322,7 @@ def build_thd_meta(
         alignment=align,
         padded_lens=tuple(int(p) for p in padded),
         position_ids=i64(pos),
-        is_padding=on_device(pos >= length),
+        is_padding=_to(pos >= length, dtype=torch.bool, device=device),
         source_index=i64(source),
         label_index=i64(label),
         global_index=i64(global_index),
