@@ -28,9 +28,11 @@ NOX = [sys.executable, "-m", "nox"]
 SECOND_LANE_MASTER_PORT = "29712"  # not the single-process default of verl_mcore_utils.parallel (29512)
 
 
-def ci_sessions() -> list[str]:
+def ci_sessions(*, command: list[str] = NOX) -> list[str]:
     """The CI-tagged nox sessions, in the noxfile's order."""
-    listing = subprocess.run([*NOX, "-t", "ci", "-l", "--json"], capture_output=True, text=True, check=True)
+    listing = subprocess.run(
+        [*command, "-t", "ci", "-l", "--json"], capture_output=True, text=True, check=True
+    )
     return [entry["session"] for entry in json.loads(listing.stdout)]
 
 

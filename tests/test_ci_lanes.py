@@ -3,6 +3,7 @@ to the end, a failure in either fails the run, each lane's output prefixed."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def test_the_newest_tests_session_gets_a_lane_of_its_own() -> None:
 
 
 def test_the_noxfile_sessions_split_into_two_lanes_each_session_once() -> None:
-    sessions = ci.ci_sessions()
+    # the workspace's nox (`uv run` puts it on PATH): a nox session's own environment does not install nox
+    nox = shutil.which("nox")
+    assert nox is not None, "nox is not on PATH: run the tests through `uv run` (nox is a dev dependency)"
+    sessions = ci.ci_sessions(command=[nox])
     first, second = ci.lanes(sessions)
     assert first == ["tests(0.19.2)"]
     assert sorted(first + second) == sorted(sessions) and len(set(sessions)) == len(sessions)
