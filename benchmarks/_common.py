@@ -348,9 +348,9 @@ class StepProfile:
             if os.environ.get("BENCH_PROFILE_TRACE"):  # the whole timeline too, for a look at its gaps
                 # torch gzips a trace whose path ends in .gz
                 prof.export_chrome_trace(str(self._path(f"{label}_trace").with_suffix(".json.gz")))
-            table = prof.key_averages()
-            timeline = gpu_timeline(prof.events())
-            gaps = "\n".join(json.dumps(g) for g in idle_gaps(prof.events()))
+            table, events = prof.key_averages(), prof.events()
+            timeline = gpu_timeline(events)
+            gaps = "\n".join(json.dumps(g) for g in idle_gaps(events))
             self._path(label).write_text(
                 f"== {label}: GPU timeline (ms) {json.dumps(timeline)}\n"
                 f"== {label}: the longest idle gaps (ms from the first kernel; host ops at the gap's middle,"
@@ -376,6 +376,17 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
 
 
+def _kernels(events: Any) -> list[tuple[str, float, float]]:
+    """(name, start, end) of every GPU kernel of a profile that took time (microseconds)."""
+    from torch.autograd import DeviceType
+
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+
+
 def gpu_timeline(events: Any) -> dict[str, float]:
     """The kernels of a profile as four numbers (ms): window, idle, exposed NCCL, compute.
 
@@ -384,13 +395,7 @@ def gpu_timeline(events: Any) -> dict[str, float]:
     time with no compute kernel beside it (communication the step waits for; it includes a rank waiting for
     slower ranks inside the collective); ``compute``: time some other kernel ran.
     """
-    from torch.autograd import DeviceType
-
-    kernels = [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    ]
+    kernels = _kernels(events)
     if not kernels:
         return {}
     nccl = _union([(s, e) for n, s, e in kernels if "nccl" in n.lower()])
@@ -418,14 +423,10 @@ def idle_gaps(events: Any, *, top: int = 20, min_ms: float = 0.5) -> list[dict[s
 
     from torch.autograd import DeviceType
 
-    kernels = [
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    ]
+    kernels = _kernels(events)
     if not kernels:
         return []
-    busy = _union(kernels)
+    busy = _union([(start, end) for _, start, end in kernels])
     origin = busy[0][0]
     holes = [(a[1], b[0]) for a, b in itertools.pairwise(busy) if (b[0] - a[1]) * 1e-3 >= min_ms]
     holes = sorted(holes, key=lambda h: h[0] - h[1])[:top]

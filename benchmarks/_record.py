@@ -107,12 +107,8 @@ def _cgroup_cpu() -> dict[str, Any]:
         stat = dict(line.split() for line in stat_file.read_text().splitlines() if line.strip())
     except (OSError, ValueError):
         return out
-    for key in (
-        "nr_periods",
-        "nr_throttled",
-        "throttled_usec",
-        "throttled_time",
-    ):  # throttled_time: v1, in ns
+    # throttled_usec: v2; throttled_time: v1, in nanoseconds
+    for key in ("nr_periods", "nr_throttled", "throttled_usec", "throttled_time"):
         if key in stat:
             out[f"cgroup_{key}"] = int(stat[key])
     return out
